@@ -1,0 +1,220 @@
+"""The command line: flags grouped by trick, the original projects' aliases, and checks of combinations.
+
+`parse(argv)` returns a validated `argparse.Namespace`; a user mistake raises `UserError` (one sentence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "imagefolder")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+SCHEDULERS = ("constant", "plateau", "poly", "cosine", "step")
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: run.py prints it as one line and exits with code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors on one line (exit code 2, as argparse does)."""
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse's own contract
+        raise UserError(f"{message} (see `python run.py --help`)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full command line. Long flags read as English; the original projects' spellings are aliases."""
+    p = _Parser(
+        prog="run.py",
+        description="Train with DistributedDataParallel and large-batch tricks. "
+        "Launch with `torchrun --nproc_per_node=N run.py ...` or plain `python run.py ...`.",
+        allow_abbrev=False,
+    )
+
+    g = p.add_argument_group("run")
+    g.add_argument("-n", "--name", "--exp_name", dest="name", default=None,
+                   help="run folder name under --runs-dir (default: a timestamp)")
+    g.add_argument("-p", "--runs-dir", "--model_path", dest="runs_dir", default="runs",
+                   help="parent folder of run folders (default: runs)")
+    g.add_argument("-e", "--epochs", type=_positive_int, default=10, help="epochs to train (default: 10)")
+    g.add_argument("-s", "--seed", "--seed_num", dest="seed", type=int, default=0, help="random seed (default: 0)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) for bit-reproducible runs")
+    g.add_argument("--eval-only", action="store_true",
+                   help="evaluate the starting weights (fresh or --resume), write the metrics row, exit")
+    g.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="continue from a checkpoint; `auto` takes runs/<name>/last.pt when it exists")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    g.add_argument("--log-interval", type=_positive_int, default=20,
+                   help="steps between progress updates (the only host syncs in the loop; default: 20)")
+
+    g = p.add_argument_group("launch and devices")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="process-group backend (auto: nccl on cuda, gloo on cpu)")
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
+                   help="set by the legacy `python -m torch.distributed.launch`; torchrun uses LOCAL_RANK")
+    g.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds a collective may wait before the run fails instead of hanging (default: 600)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=DATASETS, default="digits",
+                   help="digits: scikit-learn's bundled 8x8 digits, no download (default)")
+    g.add_argument("-d", "--data-root", "--data_path", dest="data_root", default="data",
+                   help="folder holding mnist/fashion-mnist/cifar10 files (default: data)")
+    g.add_argument("--download", action="store_true", help="let torchvision download the dataset into --data-root")
+    g.add_argument("--train-dir", default=None, help="imagefolder: training images, one folder per class")
+    g.add_argument("--val-dir", default=None, help="imagefolder: validation images, one folder per class")
+    g.add_argument("--image-size", type=_positive_int, default=224, help="imagefolder: crop size (default: 224)")
+    g.add_argument("-b", "--batch-size", "--batch_size", dest="batch_size", type=_positive_int, default=32,
+                   help="micro-batch per rank (default: 32)")
+    g.add_argument("--val-batch-size", type=_positive_int, default=256, help="evaluation batch per rank")
+    g.add_argument("--workers", type=int, default=0,
+                   help="DataLoader workers per rank (default: 0, right for the in-memory default data)")
+    g.add_argument("--prefetch-factor", type=_positive_int, default=2, help="batches prefetched per worker")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="toy",
+                   help="toy (a small CNN for any input size) or a torchvision classifier: resnet18, resnet50, ...")
+    g.add_argument("--init", choices=("default", "he"), default="default",
+                   help="he: Kaiming-normal init of conv and linear weights")
+    g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm before DDP")
+
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", "--base-op", dest="optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="sgd, adam, adamw, lars (standalone), lamb (default: sgd)")
+    g.add_argument("-l", "--base-lr", "--learning_rate", "--lr", dest="base_lr", type=float, default=0.05,
+                   help="learning rate before scaling (default: 0.05)")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum (default: 0.9)")
+    g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD, LARS)")
+    g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=5e-4,
+                   help="weight decay (default: 5e-4)")
+    g.add_argument("--lars-wrap", action="store_true", help="LARSWrapper over the chosen optimizer")
+    g.add_argument("--trust-coefficient", type=float, default=0.001, help="LARS trust coefficient (default: 0.001)")
+    g.add_argument("--epsilon", type=float, default=1e-8, help="LARS epsilon (default: 1e-8)")
+    g.add_argument("--bn-bias-separately", action="store_true",
+                   help="norm-layer parameters and biases: no LARS scaling, no weight decay")
+    g.add_argument("--lookahead", action="store_true", help="Lookahead over the optimizer")
+    g.add_argument("--lookahead-k", type=_positive_int, default=5, help="Lookahead sync period (default: 5)")
+    g.add_argument("--lookahead-alpha", type=float, default=0.5, help="Lookahead slow step (default: 0.5)")
+    g.add_argument("--clip-grad-norm", type=float, default=0.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
+
+    g = p.add_argument_group("learning-rate schedule")
+    g.add_argument("-w", "--warmup-epochs", "--warmup_epochs", dest="warmup_epochs", type=float, default=0.0,
+                   help="linear warmup length in epochs, fractions allowed (default: 0)")
+    g.add_argument("-t", "--warmup-type", "--warmup_type", dest="warmup_type", choices=("linear", "cosine"),
+                   default="linear", help="cosine: warmup, then cosine decay to --end-lr")
+    g.add_argument("--scheduler", choices=SCHEDULERS, default="constant", help="schedule after warmup")
+    g.add_argument("--plateau-factor", type=float, default=0.1, help="plateau: LR multiplier on a cut")
+    g.add_argument("--plateau-patience", type=int, default=2, help="plateau: epochs without improvement")
+    g.add_argument("--lr-power", type=float, default=None, help="poly: decay power (default: 2 with LARS, else 1)")
+    g.add_argument("--end-lr", type=float, default=0.0, help="poly/cosine: final LR (default: 0)")
+    g.add_argument("--step-epochs", type=float, default=30.0, help="step: epochs between decays")
+    g.add_argument("--step-gamma", type=float, default=0.1, help="step: LR multiplier at each decay")
+    g.add_argument("--lr-scaling", choices=("keep", "linear", "sqrt"), default="keep",
+                   help="scale --base-lr by global batch / --base-batch-size (or its square root)")
+    g.add_argument("--base-batch-size", type=_positive_int, default=256, help="reference batch of --lr-scaling")
+
+    g = p.add_argument_group("batching and precision")
+    g.add_argument("--accum-steps", "--batches-per-allreduce", dest="accum_steps", type=_positive_int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation)")
+    g.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off", help="mixed precision (torch.amp)")
+    g.add_argument("--amp-backend", choices=("native", "apex"), default="native",
+                   help="apex only where NVIDIA Apex's apex.amp imports")
+
+    g = p.add_argument_group("early stopping")
+    g.add_argument("--early-stop-patience", type=int, default=0, help="epochs without improvement (0: off)")
+    g.add_argument("--early-stop-delta", type=float, default=0.0, help="smallest change that counts")
+
+    g = p.add_argument_group("DDP performance")
+    g.add_argument("--static-graph", action="store_true", help="DDP static_graph=True")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
+    g.add_argument("--find-unused-parameters", action="store_true", help="DDP find_unused_parameters=True")
+    g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (eager with a warning if not)")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; raises UserError on any mistake."""
+    cfg = build_parser().parse_args(argv)
+    check(cfg)
+    if cfg.name is None:
+        cfg.name = time.strftime("%Y%m%d-%H%M%S")
+    if cfg.lr_power is None:
+        cfg.lr_power = 2.0 if cfg.optimizer == "lars" else 1.0
+    cfg.run_dir = str(Path(cfg.runs_dir) / cfg.name)
+    return cfg
+
+
+def check(cfg: argparse.Namespace) -> None:
+    """Impossible values and combinations, found before any process exists."""
+    if cfg.base_lr <= 0:
+        raise UserError(f"--base-lr must be > 0, got {cfg.base_lr}")
+    if cfg.workers < 0:
+        raise UserError(f"--workers must be >= 0, got {cfg.workers}")
+    if cfg.warmup_epochs < 0:
+        raise UserError(f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
+    if cfg.warmup_epochs > cfg.epochs:
+        raise UserError(f"--warmup-epochs {cfg.warmup_epochs} exceeds --epochs {cfg.epochs}; shorten the warmup")
+    if not 0.0 <= cfg.momentum < 1.0:
+        raise UserError(f"--momentum must be in [0, 1), got {cfg.momentum}")
+    if cfg.weight_decay < 0:
+        raise UserError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise UserError(f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if not 0.0 < cfg.lookahead_alpha <= 1.0:
+        raise UserError(f"--lookahead-alpha must be in (0, 1], got {cfg.lookahead_alpha}")
+    if cfg.trust_coefficient <= 0:
+        raise UserError(f"--trust-coefficient must be > 0, got {cfg.trust_coefficient}")
+    if not 0.0 < cfg.plateau_factor < 1.0:
+        raise UserError(f"--plateau-factor must be in (0, 1), got {cfg.plateau_factor}")
+    if cfg.early_stop_patience < 0:
+        raise UserError(f"--early-stop-patience must be >= 0, got {cfg.early_stop_patience}")
+    if cfg.clip_grad_norm < 0:
+        raise UserError(f"--clip-grad-norm must be >= 0, got {cfg.clip_grad_norm}")
+    if cfg.nesterov and cfg.momentum == 0:
+        raise UserError("--nesterov needs --momentum > 0")
+    if cfg.dataset == "imagefolder" and not (cfg.train_dir and cfg.val_dir):
+        raise UserError("--dataset imagefolder needs --train-dir and --val-dir (one sub-folder per class)")
+    if cfg.device == "cpu" and cfg.backend == "nccl":
+        raise UserError("--backend nccl needs CUDA devices; use --backend gloo with --device cpu")
+    if cfg.sync_bn and _launch_world_size() > 1 and _runs_on_cpu(cfg):
+        raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")
+    if cfg.amp_backend == "apex":
+        _check_apex()
+    if cfg.name is not None and ("/" in cfg.name or cfg.name in ("", ".", "..")):
+        raise UserError(f"--name {cfg.name!r} must be a plain folder name, without '/'")
+
+
+def _launch_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _runs_on_cpu(cfg: argparse.Namespace) -> bool:
+    import torch
+
+    return cfg.device == "cpu" or not torch.cuda.is_available()
+
+
+def _check_apex() -> None:
+    try:
+        from apex import amp  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "--amp-backend apex needs NVIDIA Apex with apex.amp (removed from Apex in release 25.07); "
+            "use native mixed precision: --amp fp16 or --amp bf16"
+        ) from None

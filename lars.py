@@ -1,0 +1,277 @@
+"""LARS, layer-wise adaptive rate scaling (You, Gitman & Ginsburg, 2017, https://arxiv.org/abs/1708.03888):
+`LARS` (standalone, Algorithm 1), `LARSWrapper` (over any optimizer) and `create_optimizer_lars`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from optimizer_wrapper import WrappedOptimizer
+from schedulers import PolynomialWarmup  # noqa: F401  (the original LARS project imported it from here)
+
+__all__ = ["LARS", "LARSWrapper", "create_optimizer_lars", "PolynomialWarmup", "trust_ratio"]
+
+NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+
+
+def _check(name: str, value: float, low: float = 0.0, strict: bool = False) -> None:
+    if not (value > low if strict else value >= low):
+        raise ValueError(f"Invalid {name}: {value} (must be {'>' if strict else '>='} {low})")
+
+
+def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
+    return torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
+
+
+def trust_ratio(
+    weight_norm: torch.Tensor, grad_norm: torch.Tensor, weight_decay: float, trust_coefficient: float, eps: float
+) -> torch.Tensor:
+    """`tc * ||w|| / (||g|| + wd * ||w|| + eps)` where both norms are > 0, else 1; no host sync."""
+    ratio = trust_coefficient * weight_norm / (grad_norm + weight_decay * weight_norm + eps)
+    return torch.where((weight_norm > 0) & (grad_norm > 0), ratio, torch.ones_like(ratio))
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norms of a list of same-device, same-dtype tensors, as one 1-D tensor."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=_norm_dtype(tensors[0])))
+
+
+class LARS(Optimizer):
+    r"""LARS with momentum, as paper Algorithm 1 and the official TensorFlow/MLPerf code.
+
+    For each parameter :math:`w` with gradient :math:`g` in a group whose ``lars`` entry is True (default)::
+
+        r = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)   if ||w|| > 0 and ||g|| > 0, else 1
+        d = g + weight_decay * w
+        v = momentum * v + lr * r * d          (v starts at 0)
+        w = w - v                              (nesterov: w = w - (momentum * v + lr * r * d))
+
+    In a group with ``lars=False`` the same lines run with r = 1 and that group's own weight_decay.
+
+    Args:
+        params: parameters or parameter groups (a group may set ``lars``, ``lr``, ``weight_decay``, ...).
+        lr: learning rate (the global LR the trust ratio multiplies).
+        momentum: momentum factor (default 0.9).
+        weight_decay: L2 weight decay, inside the trust ratio and the update (default 0).
+        trust_coefficient: the paper's eta (default 0.001).
+        eps: added to the trust ratio's denominator (default 1e-8).
+        nesterov: Nesterov momentum (default False).
+        foreach: multi-tensor kernels; None picks them on CUDA and the per-tensor loop on CPU, where it is
+            faster (see bench/optim_step.py).
+
+    ``p.grad`` is never modified; the update makes no host sync (the zero-norm guard is a ``torch.where``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        nesterov: bool = False,
+        *,
+        foreach: bool | None = None,
+    ):
+        _check("learning rate", lr)
+        _check("momentum value", momentum)
+        _check("weight_decay value", weight_decay)
+        _check("trust_coefficient value", trust_coefficient, strict=True)
+        _check("eps value", eps)
+        if nesterov and momentum <= 0:
+            raise ValueError("Invalid nesterov: Nesterov momentum requires a momentum > 0")
+        defaults = dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+            eps=eps, nesterov=nesterov, lars=True, foreach=foreach,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("LARS does not support sparse gradients; use dense gradients")
+                params.append(p)
+                grads.append(p.grad)
+                bufs.append(self.state[p].get("momentum_buffer"))
+            if not params:
+                continue
+            foreach = group["foreach"] if group["foreach"] is not None else params[0].is_cuda
+            update = _lars_foreach if foreach else _lars_single_tensor
+            update(params, grads, bufs, group)
+            if group["momentum"] > 0:
+                for p, buf in zip(params, bufs):
+                    self.state[p]["momentum_buffer"] = buf
+        return loss
+
+
+def _lars_single_tensor(params, grads, bufs, group) -> None:
+    momentum, wd = group["momentum"], group["weight_decay"]
+    scales = _step_scales(params, grads, group)
+    for i, (p, g, scale) in enumerate(zip(params, grads, scales)):
+        d = torch.add(g, p, alpha=wd) if wd != 0 else g.clone()
+        d.mul_(scale)  # d = lr * r * (g + wd * w)
+        if momentum == 0:
+            p.sub_(d)
+            continue
+        buf = bufs[i]
+        if buf is None:
+            bufs[i] = buf = d.clone()
+        else:
+            buf.mul_(momentum).add_(d)
+        if group["nesterov"]:
+            p.sub_(d).sub_(buf, alpha=momentum)
+        else:
+            p.sub_(buf)
+
+
+def _lars_foreach(params, grads, bufs, group) -> None:
+    momentum, wd = group["momentum"], group["weight_decay"]
+    grouped = Optimizer._group_tensors_by_device_and_dtype([params, grads, bufs], with_indices=True)
+    for (_device, _dtype), ((dev_params, dev_grads, dev_bufs), indices) in grouped.items():
+        scales = _step_scales(dev_params, dev_grads, group)
+        d = torch._foreach_add(dev_grads, dev_params, alpha=wd) if wd != 0 else torch._foreach_mul(dev_grads, 1.0)
+        torch._foreach_mul_(d, scales)
+        if momentum == 0:
+            torch._foreach_sub_(dev_params, d)
+            continue
+        old = [j for j, buf in enumerate(dev_bufs) if buf is not None]
+        for j, buf in enumerate(dev_bufs):
+            if buf is None:
+                dev_bufs[j] = bufs[indices[j]] = d[j].clone()
+        if old:
+            old_bufs = [dev_bufs[j] for j in old]
+            torch._foreach_mul_(old_bufs, momentum)
+            torch._foreach_add_(old_bufs, [d[j] for j in old])
+        if group["nesterov"]:
+            torch._foreach_add_(d, dev_bufs, alpha=momentum)
+            torch._foreach_sub_(dev_params, d)
+        else:
+            torch._foreach_sub_(dev_params, dev_bufs)
+
+
+def _step_scales(params, grads, group) -> list[torch.Tensor]:
+    """lr * r for every parameter, as 0-d tensors of the parameters' dtype (r = 1 where lars is off)."""
+    lr = group["lr"]
+    if not group["lars"]:
+        one = torch.full((), lr, dtype=params[0].dtype, device=params[0].device)
+        return [one] * len(params)
+    ratios = trust_ratio(
+        _norms(params), _norms(grads), group["weight_decay"], group["trust_coefficient"], group["eps"]
+    )
+    return (ratios * lr).to(params[0].dtype).unbind(0)
+
+
+class LARSWrapper(WrappedOptimizer):
+    r"""LARS over any optimizer (SGD, Adam, AdamW, ...): the base optimizer sees a trust-scaled gradient.
+
+    Each ``step()`` hands the base optimizer, for every parameter in a group whose ``lars`` entry is True
+    (the default), the gradient ``r * (g + wd * w)`` with ``r`` as in :class:`LARS` and ``wd`` the group's
+    weight decay; the base step runs with its own weight decay switched off, then ``p.grad`` and the group's
+    ``weight_decay`` are put back as the caller left them. Groups with ``lars=False`` pass through unchanged.
+    With an SGD base this is torchlars' formula.
+
+    Wrapping Adam is not LAMB: Adam divides its update by the running root-mean-square of the gradient, so
+    a per-layer factor on its input mostly cancels out (exactly, once the moments settle at a constant r).
+    For the layer-wise adaptive form of Adam use :class:`lamb.LAMB`, which scales Adam's *output*.
+
+    Args:
+        optimizer: the base optimizer; its ``param_groups`` and ``state`` are shared, not copied.
+        trust_coefficient: the paper's eta (default 0.001).
+        eps: added to the trust ratio's denominator (default 1e-8).
+    """
+
+    def __init__(self, optimizer: Optimizer, trust_coefficient: float = 0.001, eps: float = 1e-8):
+        _check("trust_coefficient value", trust_coefficient, strict=True)
+        _check("eps value", eps)
+        super().__init__(optimizer)
+        self.trust_coefficient = trust_coefficient
+        self.eps = eps
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        saved_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        saved_decays: list[tuple[dict, float]] = []
+        try:
+            for group in self.param_groups:
+                if not group.get("lars", True):
+                    continue
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                if any(p.grad.is_sparse for p in params):
+                    raise RuntimeError("LARSWrapper does not support sparse gradients; use dense gradients")
+                wd = group.get("weight_decay", 0.0)
+                grads = [p.grad for p in params]
+                ratios = trust_ratio(_norms(params), _norms(grads), wd, self.trust_coefficient, self.eps)
+                scaled = torch._foreach_add(grads, params, alpha=wd) if wd != 0 else torch._foreach_mul(grads, 1.0)
+                torch._foreach_mul_(scaled, ratios.to(params[0].dtype).unbind(0))
+                for p, new_grad in zip(params, scaled):
+                    saved_grads.append((p, p.grad))
+                    p.grad = new_grad
+                if "weight_decay" in group:
+                    saved_decays.append((group, wd))
+                    group["weight_decay"] = 0.0
+            self.optimizer.step()
+        finally:
+            for p, grad in saved_grads:
+                p.grad = grad
+            for group, wd in saved_decays:
+                group["weight_decay"] = wd
+        return loss
+
+
+def create_optimizer_lars(
+    model: nn.Module,
+    lr: float,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    bn_bias_separately: bool = True,
+    epsilon: float = 1e-8,
+    trust_coefficient: float = 0.001,
+    nesterov: bool = False,
+) -> LARS:
+    """The original LARS project's factory.
+
+    With ``bn_bias_separately``, every parameter of a normalisation layer and every bias goes into a group
+    with ``lars=False`` and ``weight_decay=0``; the rest into a LARS group with ``weight_decay``.
+    """
+    return LARS(
+        parameter_groups(model, weight_decay, bn_bias_separately), lr=lr, momentum=momentum,
+        weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=epsilon, nesterov=nesterov,
+    )
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, bn_bias_separately: bool) -> list[dict[str, Any]]:
+    """One group, or (bn_bias_separately) weights vs. norm-layer parameters and biases; each param once."""
+    if not bn_bias_separately:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    seen: set[int] = set()
+    scaled, plain = [], []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (plain if isinstance(module, NORM_LAYERS) or name == "bias" else scaled).append(p)
+    groups = [{"params": scaled, "weight_decay": weight_decay, "lars": True}]
+    if plain:
+        groups.append({"params": plain, "weight_decay": 0.0, "lars": False})
+    return [g for g in groups if g["params"]]

@@ -1,0 +1,74 @@
+"""The small default CNN, which adapts to any input size and channel count, and torchvision classifiers
+by name (random initialisation, `num_classes` from the dataset).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from config import UserError
+
+
+class ToyCNN(nn.Module):
+    """Two conv blocks and a linear head; global average pooling makes it work at any image size."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.head = nn.Linear(8 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+def build(name: str, in_channels: int, num_classes: int, init: str = "default") -> nn.Module:
+    """`toy` or any torchvision classification model by name."""
+    if name == "toy":
+        model = ToyCNN(in_channels, num_classes)
+    else:
+        model = _torchvision_model(name, num_classes)
+        if in_channels != 3:
+            _adapt_first_conv(model, in_channels)
+    if init == "he":
+        he_init(model)
+    return model
+
+
+def _torchvision_model(name: str, num_classes: int) -> nn.Module:
+    from torchvision import models as tv
+
+    names = tv.list_models(module=tv)
+    if name not in names:
+        raise UserError(f"--model {name!r} is unknown: use toy or a torchvision classifier such as resnet18, resnet50")
+    return tv.get_model(name, weights=None, num_classes=num_classes)
+
+
+def _adapt_first_conv(model: nn.Module, in_channels: int) -> None:
+    """Replace the first 3-channel convolution so a grey-scale dataset fits an ImageNet architecture."""
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
+                setattr(parent, child_name, nn.Conv2d(
+                    in_channels, child.out_channels, child.kernel_size, child.stride,
+                    child.padding, child.dilation, child.groups, child.bias is not None,
+                ))
+                return
+
+
+def he_init(model: nn.Module) -> None:
+    """Kaiming-normal weights for every conv and linear layer, zero biases."""
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out" if isinstance(module, nn.Conv2d) else "fan_in",
+                                    nonlinearity="relu")
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
