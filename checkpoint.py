@@ -36,12 +36,16 @@ def load(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint without running any code from it; a bad file is a UserError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"checkpoint {str(path)!r} does not exist: give the path of a last.pt/best.pt, or --resume auto")
+        raise UserError(
+            f"checkpoint {str(path)!r} does not exist: give the path of a last.pt/best.pt, or --resume auto"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated, random bytes, pickled code: all unreadable here
         reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
-        raise UserError(f"checkpoint {str(path)!r} is unreadable ({reason}); pick another file or start without --resume") from None
+        raise UserError(
+            f"checkpoint {str(path)!r} is unreadable ({reason}); pick another file or start without --resume"
+        ) from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"checkpoint {str(path)!r} was not written by run.py (no model/epoch entries)")
     return state

@@ -43,69 +43,159 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("run")
-    g.add_argument("-n", "--name", "--exp_name", dest="name", default=None,
-                   help="run folder name under --runs-dir (default: a timestamp)")
-    g.add_argument("-p", "--runs-dir", "--model_path", dest="runs_dir", default="runs",
-                   help="parent folder of run folders (default: runs)")
+    g.add_argument(
+        "-n",
+        "--name",
+        "--exp_name",
+        dest="name",
+        default=None,
+        help="run folder name under --runs-dir (default: a timestamp)",
+    )
+    g.add_argument(
+        "-p",
+        "--runs-dir",
+        "--model_path",
+        dest="runs_dir",
+        default="runs",
+        help="parent folder of run folders (default: runs)",
+    )
     g.add_argument("-e", "--epochs", type=_positive_int, default=10, help="epochs to train (default: 10)")
     g.add_argument("-s", "--seed", "--seed_num", dest="seed", type=int, default=0, help="random seed (default: 0)")
-    g.add_argument("--deterministic", action="store_true",
-                   help="torch.use_deterministic_algorithms(True) for bit-reproducible runs")
-    g.add_argument("--eval-only", action="store_true",
-                   help="evaluate the starting weights (fresh or --resume), write the metrics row, exit")
-    g.add_argument("--resume", default=None, metavar="auto|PATH",
-                   help="continue from a checkpoint; `auto` takes runs/<name>/last.pt when it exists")
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True) for bit-reproducible runs",
+    )
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="evaluate the starting weights (fresh or --resume), write the metrics row, exit",
+    )
+    g.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|PATH",
+        help="continue from a checkpoint; `auto` takes runs/<name>/last.pt when it exists",
+    )
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    g.add_argument("--log-interval", type=_positive_int, default=20,
-                   help="steps between progress updates (the only host syncs in the loop; default: 20)")
+    g.add_argument(
+        "--log-interval",
+        type=_positive_int,
+        default=20,
+        help="steps between progress updates (the only host syncs in the loop; default: 20)",
+    )
 
     g = p.add_argument_group("launch and devices")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
-    g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="process-group backend (auto: nccl on cuda, gloo on cpu)")
-    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
-                   help="set by the legacy `python -m torch.distributed.launch`; torchrun uses LOCAL_RANK")
-    g.add_argument("--dist-timeout", type=float, default=600.0,
-                   help="seconds a collective may wait before the run fails instead of hanging (default: 600)")
+    g.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu",
+    )
+    g.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="process-group backend (auto: nccl on cuda, gloo on cpu)",
+    )
+    g.add_argument(
+        "--local-rank",
+        "--local_rank",
+        dest="local_rank",
+        type=int,
+        default=None,
+        help="set by the legacy `python -m torch.distributed.launch`; torchrun uses LOCAL_RANK",
+    )
+    g.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a collective may wait before the run fails instead of hanging (default: 600)",
+    )
 
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", choices=DATASETS, default="digits",
-                   help="digits: scikit-learn's bundled 8x8 digits, no download (default)")
-    g.add_argument("-d", "--data-root", "--data_path", dest="data_root", default="data",
-                   help="folder holding mnist/fashion-mnist/cifar10 files (default: data)")
+    g.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="digits",
+        help="digits: scikit-learn's bundled 8x8 digits, no download (default)",
+    )
+    g.add_argument(
+        "-d",
+        "--data-root",
+        "--data_path",
+        dest="data_root",
+        default="data",
+        help="folder holding mnist/fashion-mnist/cifar10 files (default: data)",
+    )
     g.add_argument("--download", action="store_true", help="let torchvision download the dataset into --data-root")
     g.add_argument("--train-dir", default=None, help="imagefolder: training images, one folder per class")
     g.add_argument("--val-dir", default=None, help="imagefolder: validation images, one folder per class")
     g.add_argument("--image-size", type=_positive_int, default=224, help="imagefolder: crop size (default: 224)")
-    g.add_argument("-b", "--batch-size", "--batch_size", dest="batch_size", type=_positive_int, default=32,
-                   help="micro-batch per rank (default: 32)")
+    g.add_argument(
+        "-b",
+        "--batch-size",
+        "--batch_size",
+        dest="batch_size",
+        type=_positive_int,
+        default=32,
+        help="micro-batch per rank (default: 32)",
+    )
     g.add_argument("--val-batch-size", type=_positive_int, default=256, help="evaluation batch per rank")
-    g.add_argument("--workers", type=int, default=0,
-                   help="DataLoader workers per rank (default: 0, right for the in-memory default data)")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="DataLoader workers per rank (default: 0, right for the in-memory default data)",
+    )
     g.add_argument("--prefetch-factor", type=_positive_int, default=2, help="batches prefetched per worker")
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="toy",
-                   help="toy (a small CNN for any input size) or a torchvision classifier: resnet18, resnet50, ...")
-    g.add_argument("--init", choices=("default", "he"), default="default",
-                   help="he: Kaiming-normal init of conv and linear weights")
+    g.add_argument(
+        "--model",
+        default="toy",
+        help="toy (a small CNN for any input size) or a torchvision classifier: resnet18, resnet50, ...",
+    )
+    g.add_argument(
+        "--init",
+        choices=("default", "he"),
+        default="default",
+        help="he: Kaiming-normal init of conv and linear weights",
+    )
     g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm before DDP")
 
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", "--base-op", dest="optimizer", choices=OPTIMIZERS, default="sgd",
-                   help="sgd, adam, adamw, lars (standalone), lamb (default: sgd)")
-    g.add_argument("-l", "--base-lr", "--learning_rate", "--lr", dest="base_lr", type=float, default=0.05,
-                   help="learning rate before scaling (default: 0.05)")
+    g.add_argument(
+        "--optimizer",
+        "--base-op",
+        dest="optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="sgd, adam, adamw, lars (standalone), lamb (default: sgd)",
+    )
+    g.add_argument(
+        "-l",
+        "--base-lr",
+        "--learning_rate",
+        "--lr",
+        dest="base_lr",
+        type=float,
+        default=0.05,
+        help="learning rate before scaling (default: 0.05)",
+    )
     g.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum (default: 0.9)")
     g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD, LARS)")
-    g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=5e-4,
-                   help="weight decay (default: 5e-4)")
+    g.add_argument(
+        "--wd", "--weight-decay", dest="weight_decay", type=float, default=5e-4, help="weight decay (default: 5e-4)"
+    )
     g.add_argument("--lars-wrap", action="store_true", help="LARSWrapper over the chosen optimizer")
     g.add_argument("--trust-coefficient", type=float, default=0.001, help="LARS trust coefficient (default: 0.001)")
     g.add_argument("--epsilon", type=float, default=1e-8, help="LARS epsilon (default: 1e-8)")
-    g.add_argument("--bn-bias-separately", action="store_true",
-                   help="norm-layer parameters and biases: no LARS scaling, no weight decay")
+    g.add_argument(
+        "--bn-bias-separately",
+        action="store_true",
+        help="norm-layer parameters and biases: no LARS scaling, no weight decay",
+    )
     g.add_argument("--lookahead", action="store_true", help="Lookahead over the optimizer")
     g.add_argument("--lookahead-k", type=_positive_int, default=5, help="Lookahead sync period (default: 5)")
     g.add_argument("--lookahead-alpha", type=float, default=0.5, help="Lookahead slow step (default: 0.5)")
@@ -113,10 +203,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
 
     g = p.add_argument_group("learning-rate schedule")
-    g.add_argument("-w", "--warmup-epochs", "--warmup_epochs", dest="warmup_epochs", type=float, default=0.0,
-                   help="linear warmup length in epochs, fractions allowed (default: 0)")
-    g.add_argument("-t", "--warmup-type", "--warmup_type", dest="warmup_type", choices=("linear", "cosine"),
-                   default="linear", help="cosine: warmup, then cosine decay to --end-lr")
+    g.add_argument(
+        "-w",
+        "--warmup-epochs",
+        "--warmup_epochs",
+        dest="warmup_epochs",
+        type=float,
+        default=0.0,
+        help="linear warmup length in epochs, fractions allowed (default: 0)",
+    )
+    g.add_argument(
+        "-t",
+        "--warmup-type",
+        "--warmup_type",
+        dest="warmup_type",
+        choices=("linear", "cosine"),
+        default="linear",
+        help="cosine: warmup, then cosine decay to --end-lr",
+    )
     g.add_argument("--scheduler", choices=SCHEDULERS, default="constant", help="schedule after warmup")
     g.add_argument("--plateau-factor", type=float, default=0.1, help="plateau: LR multiplier on a cut")
     g.add_argument("--plateau-patience", type=int, default=2, help="plateau: epochs without improvement")
@@ -124,16 +228,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--end-lr", type=float, default=0.0, help="poly/cosine: final LR (default: 0)")
     g.add_argument("--step-epochs", type=float, default=30.0, help="step: epochs between decays")
     g.add_argument("--step-gamma", type=float, default=0.1, help="step: LR multiplier at each decay")
-    g.add_argument("--lr-scaling", choices=("keep", "linear", "sqrt"), default="keep",
-                   help="scale --base-lr by global batch / --base-batch-size (or its square root)")
+    g.add_argument(
+        "--lr-scaling",
+        choices=("keep", "linear", "sqrt"),
+        default="keep",
+        help="scale --base-lr by global batch / --base-batch-size (or its square root)",
+    )
     g.add_argument("--base-batch-size", type=_positive_int, default=256, help="reference batch of --lr-scaling")
 
     g = p.add_argument_group("batching and precision")
-    g.add_argument("--accum-steps", "--batches-per-allreduce", dest="accum_steps", type=_positive_int, default=1,
-                   help="micro-batches per optimizer step (gradient accumulation)")
+    g.add_argument(
+        "--accum-steps",
+        "--batches-per-allreduce",
+        dest="accum_steps",
+        type=_positive_int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation)",
+    )
     g.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off", help="mixed precision (torch.amp)")
-    g.add_argument("--amp-backend", choices=("native", "apex"), default="native",
-                   help="apex only where NVIDIA Apex's apex.amp imports")
+    g.add_argument(
+        "--amp-backend",
+        choices=("native", "apex"),
+        default="native",
+        help="apex only where NVIDIA Apex's apex.amp imports",
+    )
 
     g = p.add_argument_group("early stopping")
     g.add_argument("--early-stop-patience", type=int, default=0, help="epochs without improvement (0: off)")

@@ -150,7 +150,9 @@ def _image_folder(cfg: argparse.Namespace) -> Data:
 
     for flag, path in (("--train-dir", cfg.train_dir), ("--val-dir", cfg.val_dir)):
         if not Path(path).is_dir():
-            raise UserError(f"{flag} {path!r} is not a folder: give an ImageNet-style folder with one sub-folder per class")
+            raise UserError(
+                f"{flag} {path!r} is not a folder: give an ImageNet-style folder with one sub-folder per class"
+            )
     normalise = transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     size = cfg.image_size
     augment = transforms.Compose(
@@ -163,9 +165,13 @@ def _image_folder(cfg: argparse.Namespace) -> Data:
         train = datasets.ImageFolder(cfg.train_dir, transform=augment)
         val = datasets.ImageFolder(cfg.val_dir, transform=plain)
     except (FileNotFoundError, OSError) as error:
-        raise UserError(f"cannot read the image folders ({error}); each needs one sub-folder of images per class") from None
+        raise UserError(
+            f"cannot read the image folders ({error}); each needs one sub-folder of images per class"
+        ) from None
     if train.classes != val.classes:
-        raise UserError(f"--train-dir has classes {train.classes[:5]}... but --val-dir has {val.classes[:5]}...; they must match")
+        raise UserError(
+            f"--train-dir has classes {train.classes[:5]}... but --val-dir has {val.classes[:5]}...; they must match"
+        )
     return Data(train, val, num_classes=len(train.classes), in_channels=3, image_size=size)
 
 

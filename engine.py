@@ -70,7 +70,7 @@ def group_weights(sizes: list[int], accum_steps: int) -> list[tuple[int, bool]]:
     """
     plan = []
     for start in range(0, len(sizes), accum_steps):
-        group = sizes[start:start + accum_steps]
+        group = sizes[start : start + accum_steps]
         plan.extend((sum(group), i == len(group) - 1) for i in range(len(group)))
     return plan
 

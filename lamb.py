@@ -4,7 +4,7 @@ the original LARS project's `--base-op lamb`.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -54,8 +54,9 @@ class LAMB(Optimizer):
             raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
         if not weight_decay >= 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, lars=True)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, lars=True
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,8 +87,14 @@ class LARS(Optimizer):
         if nesterov and momentum <= 0:
             raise ValueError("Invalid nesterov: Nesterov momentum requires a momentum > 0")
         defaults = dict(
-            lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
-            eps=eps, nesterov=nesterov, lars=True, foreach=foreach,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            nesterov=nesterov,
+            lars=True,
+            foreach=foreach,
         )
         super().__init__(params, defaults)
 
@@ -169,9 +176,7 @@ def _step_scales(params, grads, group) -> list[torch.Tensor]:
     if not group["lars"]:
         one = torch.full((), lr, dtype=params[0].dtype, device=params[0].device)
         return [one] * len(params)
-    ratios = trust_ratio(
-        _norms(params), _norms(grads), group["weight_decay"], group["trust_coefficient"], group["eps"]
-    )
+    ratios = trust_ratio(_norms(params), _norms(grads), group["weight_decay"], group["trust_coefficient"], group["eps"])
     return (ratios * lr).to(params[0].dtype).unbind(0)
 
 
@@ -254,8 +259,13 @@ def create_optimizer_lars(
     with ``lars=False`` and ``weight_decay=0``; the rest into a LARS group with ``weight_decay``.
     """
     return LARS(
-        parameter_groups(model, weight_decay, bn_bias_separately), lr=lr, momentum=momentum,
-        weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=epsilon, nesterov=nesterov,
+        parameter_groups(model, weight_decay, bn_bias_separately),
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        trust_coefficient=trust_coefficient,
+        eps=epsilon,
+        nesterov=nesterov,
     )
 
 

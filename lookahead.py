@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -58,12 +59,16 @@ class Lookahead(WrappedOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "slow"):
-            self.slow.extend(p.detach().clone() for p in self._params()[len(self.slow):])
+            self.slow.extend(p.detach().clone() for p in self._params()[len(self.slow) :])
 
     def state_dict(self) -> dict[str, Any]:
         state = self.optimizer.state_dict()
-        state["lookahead"] = {"slow": [s.clone() for s in self.slow], "step": self.lookahead_step,
-                              "k": self.k, "alpha": self.alpha}
+        state["lookahead"] = {
+            "slow": [s.clone() for s in self.slow],
+            "step": self.lookahead_step,
+            "k": self.k,
+            "alpha": self.alpha,
+        }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

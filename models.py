@@ -43,12 +43,20 @@ def build(name: str, in_channels: int, num_classes: int, init: str = "default") 
     return model
 
 
+def check_name(name: str) -> None:
+    """`toy` or a torchvision classification model; anything else is a UserError."""
+    if name == "toy":
+        return
+    from torchvision import models as tv
+
+    if name not in tv.list_models(module=tv):
+        raise UserError(f"--model {name!r} is unknown: use toy or a torchvision classifier such as resnet18, resnet50")
+
+
 def _torchvision_model(name: str, num_classes: int) -> nn.Module:
     from torchvision import models as tv
 
-    names = tv.list_models(module=tv)
-    if name not in names:
-        raise UserError(f"--model {name!r} is unknown: use toy or a torchvision classifier such as resnet18, resnet50")
+    check_name(name)
     return tv.get_model(name, weights=None, num_classes=num_classes)
 
 
@@ -57,10 +65,20 @@ def _adapt_first_conv(model: nn.Module, in_channels: int) -> None:
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Conv2d) and child.in_channels == 3:
-                setattr(parent, child_name, nn.Conv2d(
-                    in_channels, child.out_channels, child.kernel_size, child.stride,
-                    child.padding, child.dilation, child.groups, child.bias is not None,
-                ))
+                setattr(
+                    parent,
+                    child_name,
+                    nn.Conv2d(
+                        in_channels,
+                        child.out_channels,
+                        child.kernel_size,
+                        child.stride,
+                        child.padding,
+                        child.dilation,
+                        child.groups,
+                        child.bias is not None,
+                    ),
+                )
                 return
 
 
@@ -68,7 +86,8 @@ def he_init(model: nn.Module) -> None:
     """Kaiming-normal weights for every conv and linear layer, zero biases."""
     for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
-            nn.init.kaiming_normal_(module.weight, mode="fan_out" if isinstance(module, nn.Conv2d) else "fan_in",
-                                    nonlinearity="relu")
+            nn.init.kaiming_normal_(
+                module.weight, mode="fan_out" if isinstance(module, nn.Conv2d) else "fan_in", nonlinearity="relu"
+            )
             if module.bias is not None:
                 nn.init.zeros_(module.bias)

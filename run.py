@@ -38,8 +38,18 @@ from lars import LARS, LARSWrapper, parameter_groups
 from lookahead import Lookahead
 
 log = logging.getLogger("ddp_tricks")
-METRICS = ["epoch", "step", "train_loss", "train_acc", "val_loss", "val_acc", "lr",
-           "epoch_seconds", "samples_per_second", "skipped_steps"]
+METRICS = [
+    "epoch",
+    "step",
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_acc",
+    "lr",
+    "epoch_seconds",
+    "samples_per_second",
+    "skipped_steps",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.parse(argv)
         launch = distributed.detect(cfg.local_rank)
+        models.check_name(cfg.model)
         datasets = data.load(cfg)
         data.check_sizes(datasets, launch.world_size)
         resume_from = checkpoint.resume_path(cfg.resume, cfg.run_dir)
@@ -56,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         dist = distributed.setup(launch, cfg.device, cfg.backend, cfg.dist_timeout)
         return train(cfg, dist, datasets, state)
     except config.UserError as error:
-        if launch.local_rank == 0:  # every rank found the same problem; one line per node says it
-            print(f"error: {error}", file=sys.stderr)
+        where = "" if launch.rank == 0 else f" on rank {launch.rank}"
+        print(f"error{where}: {error}", file=sys.stderr)
         return 2
     finally:
         distributed.cleanup()
@@ -98,7 +109,9 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
         label_smoothing=cfg.label_smoothing,
         channels_last=cfg.channels_last,
     )
-    early_stopping = EarlyStopping(cfg.early_stop_patience, delta=cfg.early_stop_delta) if cfg.early_stop_patience else None
+    early_stopping = (
+        EarlyStopping(cfg.early_stop_patience, delta=cfg.early_stop_delta) if cfg.early_stop_patience else None
+    )
     best = {"val_loss": math.inf, "val_acc": 0.0}
     start_epoch = 1
     if state is not None:
@@ -110,7 +123,13 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
         keep_metrics_through(run_dir / "metrics.csv", start_epoch - 1)
     log.info(
         "%s on %d process(es), device %s: global batch %d, learning rate %.6g (--lr-scaling %s), %d steps/epoch",
-        cfg.model, dist.world_size, dist.device, cfg.global_batch_size, cfg.effective_lr, cfg.lr_scaling, steps_per_epoch,
+        cfg.model,
+        dist.world_size,
+        dist.device,
+        cfg.global_batch_size,
+        cfg.effective_lr,
+        cfg.lr_scaling,
+        steps_per_epoch,
     )
 
     if cfg.eval_only:
@@ -142,16 +161,27 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
                 checkpoint.save(snapshot, run_dir / "best.pt")
         log.info(
             "epoch %d: train loss %.4f acc %.2f%% | val loss %.4f acc %.2f%% | lr %.4g | %.1fs, %.0f samples/s%s",
-            epoch, row["train_loss"], 100 * row["train_acc"], row["val_loss"], 100 * row["val_acc"], row["lr"],
-            row["epoch_seconds"], row["samples_per_second"], " (early stop)" if stop else "",
+            epoch,
+            row["train_loss"],
+            100 * row["train_acc"],
+            row["val_loss"],
+            100 * row["val_acc"],
+            row["lr"],
+            row["epoch_seconds"],
+            row["samples_per_second"],
+            " (early stop)" if stop else "",
         )
         if stop:
             break
 
     if dist.is_main:
         plots.curves(run_dir)
-    log.info("best validation accuracy %.2f%% (val loss %.4f); run folder: %s",
-             100 * best["val_acc"], best["val_loss"], run_dir)
+    log.info(
+        "best validation accuracy %.2f%% (val loss %.4f); run folder: %s",
+        100 * best["val_acc"],
+        best["val_loss"],
+        run_dir,
+    )
     return 0
 
 
@@ -216,15 +246,23 @@ def build_optimizer(cfg: argparse.Namespace, model: torch.nn.Module, lr: float) 
     """The optimizer the flags name, LARSWrapper around it and Lookahead on top when asked."""
     groups = parameter_groups(model, cfg.weight_decay, cfg.bn_bias_separately)
     if cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                                    weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.SGD(
+            groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+        )
     elif cfg.optimizer == "adam":
         optimizer = torch.optim.Adam(groups, lr=lr, weight_decay=cfg.weight_decay)
     elif cfg.optimizer == "adamw":
         optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
     elif cfg.optimizer == "lars":
-        optimizer = LARS(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                         trust_coefficient=cfg.trust_coefficient, eps=cfg.epsilon, nesterov=cfg.nesterov)
+        optimizer = LARS(
+            groups,
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            trust_coefficient=cfg.trust_coefficient,
+            eps=cfg.epsilon,
+            nesterov=cfg.nesterov,
+        )
     else:
         optimizer = LAMB(groups, lr=lr, weight_decay=cfg.weight_decay)
     if cfg.lars_wrap:
@@ -251,6 +289,7 @@ def checkpoint_state(training: Training, cfg: argparse.Namespace, epoch: int, ea
     return {
         "model": training.raw_model.state_dict(),
         "optimizer": training.optimizer.state_dict(),
+        "optimizer_name": describe_optimizer(training.optimizer),
         "schedule": training.schedule.state_dict(),
         "scaler": training.scaler.state_dict() if training.scaler is not None else None,
         "early_stopping": early_stopping.state_dict() if early_stopping is not None else None,
@@ -259,8 +298,14 @@ def checkpoint_state(training: Training, cfg: argparse.Namespace, epoch: int, ea
         "skipped_steps": training.skipped_steps,
         "best": dict(best),
         "config": {k: v for k, v in vars(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))},
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
     }
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """`Lookahead(LARSWrapper(SGD))`: the optimizer and the wrappers around it."""
+    inner = getattr(optimizer, "optimizer", None)
+    return type(optimizer).__name__ + (f"({describe_optimizer(inner)})" if inner is not None else "")
 
 
 def load_model_state(model: torch.nn.Module, state: dict, cfg: argparse.Namespace) -> None:
@@ -276,6 +321,12 @@ def load_model_state(model: torch.nn.Module, state: dict, cfg: argparse.Namespac
 
 def restore(state: dict, training: Training, early_stopping, best: dict, cfg: argparse.Namespace) -> int:
     """Put the optimizer, schedule, scaler and counters back; return the first epoch still to train."""
+    saved, ours = state.get("optimizer_name"), describe_optimizer(training.optimizer)
+    if saved != ours:
+        raise config.UserError(
+            f"checkpoint {cfg.resume!r} was trained with {saved}, these flags build {ours}; "
+            "resume with the optimizer flags it was trained with"
+        )
     try:
         training.optimizer.load_state_dict(state["optimizer"])
         training.schedule.load_state_dict(state["schedule"])

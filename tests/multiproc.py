@@ -1,0 +1,83 @@
+"""Real multi-process runs for tests: gloo ranks spawned on 127.0.0.1 with a free port, bounded in time,
+and run.py launched under torchrun as a user would."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120):
+    """Run fn(rank, world_size, *args) in `world_size` gloo processes; return the results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | None = None, extra=()):
+    """`torchrun --standalone --nproc_per_node=N run.py ARGS`, as a user types it."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *extra,
+        str(REPO / "run.py"),
+        *args,
+    ]
+    return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def python_run(args: list[str], timeout: float = 240, cwd: Path | None = None):
+    """`python run.py ARGS` in one process."""
+    cmd = [sys.executable, str(REPO / "run.py"), *args]
+    return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,137 @@
+"""The catalogue of bad input: each case is one line on stderr naming the problem and the fix, exit code 2,
+no traceback, nothing written or overwritten. (Multi-rank exit codes: test_end_to_end.)"""
+
+import pickle
+
+import pytest
+import torch
+
+import run
+
+CASES = {
+    "zero epochs": (["--epochs", "0"], "--epochs: must be a positive integer"),
+    "zero batch": (["--batch-size", "0"], "--batch_size: must be a positive integer"),
+    "negative lr": (["--base-lr", "-1"], "--base-lr must be > 0"),
+    "unknown optimizer": (["--optimizer", "rmsprop"], "invalid choice: 'rmsprop'"),
+    "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
+    "not a number": (["--base-lr", "fast"], "invalid float value: 'fast'"),
+    "momentum too big": (["--momentum", "1.5"], "--momentum must be in [0, 1)"),
+    "nesterov without momentum": (["--nesterov", "--momentum", "0"], "--nesterov needs --momentum > 0"),
+    "warmup longer than run": (["--epochs", "2", "--warmup-epochs", "3"], "exceeds --epochs 2"),
+    "label smoothing 1": (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1)"),
+    "lookahead alpha 0": (["--lookahead", "--lookahead-alpha", "0"], "--lookahead-alpha must be in (0, 1]"),
+    "apex without apex": (["--amp-backend", "apex"], "use native mixed precision"),
+    "name with slash": (["-n", "a/b"], "must be a plain folder name"),
+    "nccl on cpu": (["--device", "cpu", "--backend", "nccl"], "--backend nccl needs CUDA"),
+    "imagefolder without dirs": (["--dataset", "imagefolder"], "needs --train-dir and --val-dir"),
+    "unknown model": (["--model", "resnet9000"], "--model 'resnet9000' is unknown"),
+}
+
+
+@pytest.mark.parametrize("argv, message", CASES.values(), ids=CASES.keys())
+def test_bad_flag_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    assert run.main([*argv, "--runs-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not any(tmp_path.iterdir())
+
+
+def _fails(argv, message, capsys):
+    assert run.main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_missing_data_root(tmp_path, capsys):
+    _fails(["--dataset", "mnist", "--data-root", str(tmp_path / "none")], "MNIST not found under --data-root", capsys)
+
+
+def test_missing_image_folder(tmp_path, capsys):
+    _fails(
+        ["--dataset", "imagefolder", "--train-dir", str(tmp_path / "t"), "--val-dir", str(tmp_path / "v")],
+        "is not a folder",
+        capsys,
+    )
+
+
+def test_empty_image_folder(tmp_path, capsys):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "v").mkdir()
+    _fails(
+        ["--dataset", "imagefolder", "--train-dir", str(tmp_path / "t"), "--val-dir", str(tmp_path / "v")],
+        "one sub-folder of images per class",
+        capsys,
+    )
+
+
+def test_run_folder_not_writable(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    _fails(["--runs-dir", str(blocker / "runs")], "cannot write the run folder", capsys)
+
+
+def test_more_processes_than_validation_samples(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "400")
+    _fails([], "fewer than the 400 processes", capsys)
+
+
+def test_sync_bn_on_cpu_processes(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _fails(["--sync-bn", "--device", "cpu"], "--sync-bn needs CUDA devices", capsys)
+
+
+def test_resume_missing_file(tmp_path, capsys):
+    _fails(["--resume", str(tmp_path / "nope.pt"), "--runs-dir", str(tmp_path)], "does not exist", capsys)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00garbage" * 100, b"PK\x03\x04truncated"], ids=["empty", "random", "zip"])
+def test_corrupt_checkpoint(content, tmp_path, capsys):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(content)
+    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+    assert path.read_bytes() == content
+
+
+def test_truncated_checkpoint(tmp_path, capsys):
+    good = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}, "epoch": 1}, good)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    _fails(["--resume", str(bad), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("this checkpoint ran code",))
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path, capsys):
+    path = tmp_path / "evil.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"model": _Exploit(), "epoch": 1}, f)
+    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+
+
+def test_checkpoint_not_from_run_py(tmp_path, capsys):
+    path = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(3)}, path)
+    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "was not written by run.py", capsys)
+
+
+def test_checkpoint_of_another_model(tmp_path, capsys):
+    path = tmp_path / "other.pt"
+    torch.save({"model": {"fc.weight": torch.zeros(3, 3)}, "epoch": 1, "config": {"model": "mlp"}}, path)
+    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "do not fit --model toy", capsys)
+
+
+def test_checkpoint_of_another_optimizer_leaves_it_intact(tmp_path, capsys):
+    assert run.main(["--epochs", "1", "-n", "r", "--runs-dir", str(tmp_path), "--no-progress"]) == 0
+    capsys.readouterr()
+    last = tmp_path / "r" / "last.pt"
+    before = last.read_bytes()
+    _fails(
+        ["--resume", "auto", "-n", "r", "--runs-dir", str(tmp_path), "--optimizer", "adam", "--epochs", "2"],
+        "was trained with SGD, these flags build Adam",
+        capsys,
+    )
+    assert last.read_bytes() == before

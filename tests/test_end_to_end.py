@@ -1,0 +1,112 @@
+"""run.py as users launch it: torchrun, the legacy launcher, plain python; the run folder it writes."""
+
+import csv
+import json
+
+import pytest
+import torch
+from multiproc import REPO, free_port, python_run, torchrun
+
+TIMING = {"epoch_seconds", "samples_per_second"}
+
+
+def _metrics(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_ranks_writes_a_complete_run_folder(tmp_path):
+    result = torchrun(["--epochs", "2", "-n", "e2e", "--runs-dir", str(tmp_path), "--no-progress"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "e2e"
+    for name in ("config.json", "metrics.csv", "train.log", "curves.png", "last.pt", "best.pt"):
+        assert (run_dir / name).stat().st_size > 0, name
+    rows = _metrics(run_dir)
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert list(rows[0]) == [
+        "epoch",
+        "step",
+        "train_loss",
+        "train_acc",
+        "val_loss",
+        "val_acc",
+        "lr",
+        "epoch_seconds",
+        "samples_per_second",
+        "skipped_steps",
+    ]
+    assert float(rows[-1]["val_acc"]) > 0.9
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["world_size"] == 2 and config["global_batch_size"] == 64
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert "best validation accuracy" in last_line and str(run_dir) in last_line
+    assert "epoch 2:" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_same_command_twice_gives_identical_metrics(tmp_path):
+    for name in ("a", "b"):
+        result = torchrun(
+            ["--epochs", "2", "-n", name, "--runs-dir", str(tmp_path), "--no-progress", "--deterministic"]
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    strip = (
+        [{k: v for k, v in row.items() if k not in TIMING} for row in a],
+        [{k: v for k, v in row.items() if k not in TIMING} for row in b],
+    )
+    assert strip[0] == strip[1]  # every loss digit equal
+    wa = torch.load(tmp_path / "a" / "last.pt", weights_only=True)["model"]
+    wb = torch.load(tmp_path / "b" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.timeout(300)
+def test_legacy_launcher_passes_local_rank_flag(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.launch",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(REPO / "run.py"),
+        "-n=legacy",
+        "--epochs",
+        "1",
+        "--runs-dir",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "legacy" / "config.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_eval_only_gives_the_same_numbers_at_any_world_size(tmp_path):
+    one = python_run(["--eval-only", "-n", "w1", "--runs-dir", str(tmp_path)])
+    two = torchrun(["--eval-only", "-n", "w2", "--runs-dir", str(tmp_path)])
+    three = torchrun(["--eval-only", "-n", "w3", "--runs-dir", str(tmp_path)], nproc=3)
+    for result in (one, two, three):
+        assert result.returncode == 0, result.stderr[-3000:]
+    rows = [_metrics(tmp_path / n)[0] for n in ("w1", "w2", "w3")]
+    # Identical weights everywhere; the loss agrees to float32 rounding (conv kernels block by batch size).
+    assert rows[0]["val_acc"] == rows[1]["val_acc"] == rows[2]["val_acc"]
+    for row in rows[1:]:
+        assert float(row["val_loss"]) == pytest.approx(float(rows[0]["val_loss"]), rel=1e-6)
+    assert not (tmp_path / "w1" / "last.pt").exists()  # evaluation only: nothing trained, nothing saved
+
+
+@pytest.mark.timeout(300)
+def test_bad_flag_exits_2_on_every_rank_with_one_line_each(tmp_path):
+    result = torchrun(["--epochs", "0", "--runs-dir", str(tmp_path)])
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert lines and all("--epochs: must be a positive integer, got 0" in line for line in lines)
+    assert "exitcode  : 2" in result.stderr
+    assert f'File "{REPO / "run.py"}"' not in result.stderr  # torchrun's own report only, no trace of ours
+    assert not any(tmp_path.iterdir())  # nothing written
