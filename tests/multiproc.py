@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle bytes: tensors by value, not as shared-memory handles that die with this process.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -53,7 +55,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120):
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
