@@ -33,6 +33,7 @@ class Training:
     clip_grad_norm: float = 0.0
     label_smoothing: float = 0.0
     channels_last: bool = False
+    apex_amp: object | None = None  # NVIDIA Apex's amp module, when --amp-backend apex
     global_step: int = 0  # optimizer steps taken or skipped, over the whole run
     skipped_steps: int = 0  # fp16 steps skipped by the GradScaler (inf/NaN gradients), over the whole run
     criterion: nn.Module = field(init=False)
@@ -48,6 +49,15 @@ class Training:
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        elif self.apex_amp is not None:
+            with self.apex_amp.scale_loss(loss, self.optimizer) as scaled_loss:
+                scaled_loss.backward()
+        else:
+            loss.backward()
 
     def to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = inputs.to(self.device, non_blocking=True)
@@ -91,7 +101,7 @@ def train_one_epoch(t: Training, loader, progress=None, log_interval: int = 20) 
                 outputs = t.model(inputs)
                 loss_sum = t.criterion(outputs.float(), targets)
             loss = loss_sum / group_samples
-            (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
+            t.backward(loss)
         with torch.no_grad():
             sums[0] += loss_sum.detach()
             sums[1] += (outputs.argmax(1) == targets).sum()

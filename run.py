@@ -86,24 +86,30 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
     model = models.build(cfg.model, datasets.in_channels, datasets.num_classes, cfg.init)
     if state is not None:
         load_model_state(model, state, cfg)
+    model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+
+    cfg.global_batch_size = cfg.batch_size * dist.world_size * cfg.accum_steps
+    cfg.effective_lr = scaled_lr(cfg.base_lr, cfg.lr_scaling, cfg.global_batch_size, cfg.base_batch_size)
+    optimizer = build_optimizer(cfg, model, cfg.effective_lr)  # DDP and SyncBN keep these Parameter objects
+    apex_amp = None
+    if cfg.amp_backend == "apex":
+        from apex import amp as apex_amp
+
+        model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O1")
     model = wrap_model(cfg, model, dist)
     torch.manual_seed(cfg.seed + dist.rank)  # augmentation and dropout differ between ranks
 
     train_loader = data.train_loader(cfg, datasets.train_set, dist.rank, dist.world_size, dist.device)
     val_loader = data.val_loader(cfg, datasets.val_set, dist.rank, dist.world_size, dist.device)
     steps_per_epoch = math.ceil(data.micro_batches_per_epoch(train_loader) / cfg.accum_steps)
-
-    cfg.global_batch_size = cfg.batch_size * dist.world_size * cfg.accum_steps
-    cfg.effective_lr = scaled_lr(cfg.base_lr, cfg.lr_scaling, cfg.global_batch_size, cfg.base_batch_size)
-    raw_model = model.module if isinstance(model, DistributedDataParallel) else model
-    optimizer = build_optimizer(cfg, raw_model, cfg.effective_lr)
     training = Training(
         model=model,
         optimizer=optimizer,
         schedule=schedulers.build(cfg, optimizer, steps_per_epoch),
         device=dist.device,
-        amp_dtype=AMP_DTYPES[cfg.amp],
-        scaler=torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" else None,
+        amp_dtype=None if apex_amp is not None else AMP_DTYPES[cfg.amp],
+        scaler=torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" and apex_amp is None else None,
+        apex_amp=apex_amp,
         accum_steps=cfg.accum_steps,
         clip_grad_norm=cfg.clip_grad_norm,
         label_smoothing=cfg.label_smoothing,
@@ -208,10 +214,7 @@ def check_run_dir_writable(run_dir: Path) -> None:
 
 
 def wrap_model(cfg: argparse.Namespace, model: torch.nn.Module, dist: distributed.Dist) -> torch.nn.Module:
-    """Move to the device; SyncBatchNorm and DDP in a distributed run; channels-last and compile on request."""
-    model = model.to(dist.device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    """SyncBatchNorm and DDP in a distributed run; torch.compile on request."""
     if dist.enabled:
         if cfg.sync_bn:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

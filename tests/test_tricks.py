@@ -1,0 +1,182 @@
+"""Mixed precision, gradient accumulation, early stopping across ranks, and the original command lines."""
+
+import argparse
+import csv
+import json
+
+import pytest
+import torch
+from multiproc import REPO, free_port, python_run, torchrun
+from torch import nn
+
+import data
+from engine import Training, optimizer_step, train_one_epoch
+from schedulers import Schedule, WarmupDecay
+
+
+def _rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_fp16_overflow_skips_the_step_and_the_schedule():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = Training(
+        model,
+        opt,
+        Schedule(WarmupDecay(opt, warmup_steps=10, decay_steps=0)),
+        torch.device("cpu"),
+        amp_dtype=torch.float16,
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8),
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    t.backward(model(torch.full((3, 4), float("inf"))).sum())  # inf gradients
+    optimizer_step(t)
+    assert t.skipped_steps == 1 and t.global_step == 1
+    assert t.schedule.per_step.last_epoch == 0  # the schedule did not advance
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert t.scaler.get_scale() == 2.0**7
+    t.backward(model(torch.ones(3, 4)).sum())
+    optimizer_step(t)
+    assert t.skipped_steps == 1 and t.schedule.per_step.last_epoch == 1
+    assert not torch.equal(before[0], model.weight)
+
+
+def _accumulate(rank, world_size, accum_steps, batch_size):
+    """One epoch of a model without batch statistics; returns the final weights."""
+    datasets = data._digits()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = argparse.Namespace(batch_size=batch_size, seed=0, workers=0, prefetch_factor=2)
+    loader = data.train_loader(cfg, datasets.train_set, rank, world_size, torch.device("cpu"))
+    loader.sampler.set_epoch(1)
+    t = Training(ddp, opt, Schedule(WarmupDecay(opt, 0, 0)), torch.device("cpu"), accum_steps=accum_steps)
+    train_one_epoch(t, loader)
+    return [p.detach().clone() for p in model.parameters()], t.global_step
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_accumulating_4_batches_of_b_equals_one_batch_of_4b(world_size):
+    from multiproc import run_ranks
+
+    accumulated = run_ranks(_accumulate, world_size, 4, 8)
+    single = run_ranks(_accumulate, world_size, 1, 32)
+    # 1438 samples (padded) per epoch: the last group is short (15 samples per rank) and weighted by its size.
+    assert accumulated[0][1] == single[0][1] == -(-1438 // world_size // 32)
+    for (weights_a, _), (weights_b, _) in zip(accumulated, single):
+        for a, b in zip(weights_a, weights_b):
+            assert (a - b).abs().max().item() <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_early_stop_ends_every_rank_after_the_same_epoch(tmp_path):
+    # Ranks evaluate different shards (different local losses); the decision uses the reduced loss.
+    result = torchrun(
+        [
+            "--epochs",
+            "8",
+            "--early-stop-patience",
+            "2",
+            "--early-stop-delta",
+            "100",
+            "-n",
+            "es",
+            "--runs-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["epoch"] for r in _rows(tmp_path / "es")] == ["1", "2", "3"]
+    assert "epoch 3:" in result.stdout and "(early stop)" in result.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_mixed_precision_trains_on_cpu_end_to_end(amp, tmp_path):
+    result = python_run(["--epochs", "2", "--amp", amp, "-n", amp, "--runs-dir", str(tmp_path), "--no-progress"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / amp)
+    assert float(rows[-1]["val_acc"]) > 0.9
+    skipped = [int(r["skipped_steps"]) for r in rows]  # counted per epoch (the overflow path: test above)
+    if amp == "bf16":
+        assert skipped == [0, 0]  # no scaler, nothing to skip
+
+
+@pytest.mark.timeout(300)
+def test_lr_scaling_is_printed_and_stored(tmp_path):
+    result = torchrun(
+        [
+            "--epochs",
+            "1",
+            "--lr-scaling",
+            "linear",
+            "--base-lr",
+            "0.1",
+            "--base-batch-size",
+            "32",
+            "--accum-steps",
+            "2",
+            "-n",
+            "scaled",
+            "--runs-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((tmp_path / "scaled" / "config.json").read_text())
+    assert config["global_batch_size"] == 32 * 2 * 2 and config["effective_lr"] == pytest.approx(0.4)
+    assert "global batch 128, learning rate 0.4" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_original_template_command_line_runs_unchanged(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.launch",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(REPO / "run.py"),
+        "-n=DDP_warmup",
+        "--epochs",
+        "2",
+    ]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(_rows(tmp_path / "runs" / "DDP_warmup")) == 2
+
+
+@pytest.mark.timeout(300)
+def test_original_lars_command_line_runs_unchanged(tmp_path):
+    args = [
+        "--batch-size",
+        "128",
+        "--warmup-epochs",
+        "0.3125",
+        "--base-lr",
+        "5.6568542494924",
+        "--base-op",
+        "lars",
+        "--bn-bias-separately",
+        "--wd",
+        "0.0001",
+        "--lr-scaling",
+        "keep",
+        "--epochs",
+        "2",
+    ]
+    result = torchrun(args, cwd=tmp_path, extra=("--master-port", str(free_port())))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["optimizer"] == "lars" and config["bn_bias_separately"] and config["lr_power"] == 2.0
+    assert len(_rows(run_dir)) == 2
