@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "imagefolder")
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "imagefolder", "mnist-idx")
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 SCHEDULERS = ("constant", "plateau", "poly", "cosine", "step")
 
@@ -77,7 +77,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="auto|PATH",
         help="continue from a checkpoint; `auto` takes runs/<name>/last.pt when it exists",
     )
+    g.add_argument(
+        "--checkpoint-every-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also write last.pt every K optimizer steps, mid-epoch (0: only after each epoch)",
+    )
+    g.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a NaN/inf loss (without fp16's scaler): stop every rank (default), or skip that step "
+        "on every rank (costs one host sync per step)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    g.add_argument(
+        "--plot-lr",
+        action="store_true",
+        help="draw the LR schedule these flags produce into runs/<name>/lr_schedule.png, and exit",
+    )
+    g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to runs/<name>/tb/")
     g.add_argument(
         "--log-interval",
         type=_positive_int,
@@ -300,6 +320,8 @@ def check(cfg: argparse.Namespace) -> None:
         raise UserError(f"--trust-coefficient must be > 0, got {cfg.trust_coefficient}")
     if not 0.0 < cfg.plateau_factor < 1.0:
         raise UserError(f"--plateau-factor must be in (0, 1), got {cfg.plateau_factor}")
+    if cfg.checkpoint_every_steps < 0:
+        raise UserError(f"--checkpoint-every-steps must be >= 0, got {cfg.checkpoint_every_steps}")
     if cfg.early_stop_patience < 0:
         raise UserError(f"--early-stop-patience must be >= 0, got {cfg.early_stop_patience}")
     if cfg.clip_grad_norm < 0:
@@ -314,6 +336,11 @@ def check(cfg: argparse.Namespace) -> None:
         raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")
     if cfg.amp_backend == "apex":
         _check_apex()
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
     if cfg.name is not None and ("/" in cfg.name or cfg.name in ("", ".", "..")):
         raise UserError(f"--name {cfg.name!r} must be a plain folder name, without '/'")
 

@@ -5,6 +5,7 @@ exact evaluation split: every validation sample is seen by exactly one rank, non
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,28 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way: `skip` of this rank's samples are left out."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
+def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int, skip_samples: int = 0) -> None:
+    """A new shuffle (set_epoch), and this epoch's randomness (augmentation, worker seeds) as a function of
+    (seed, rank, epoch) alone, so a resumed run draws what the uninterrupted run drew."""
+    loader.sampler.set_epoch(epoch)
+    loader.sampler.skip = skip_samples
+    epoch_seed = (seed * 1_000_003 + rank) * 1_009 + epoch
+    loader.generator.manual_seed(epoch_seed)
+    torch.manual_seed(epoch_seed)
+
+
 def load(cfg: argparse.Namespace) -> Data:
     """The datasets the flags name; a missing or unreadable path raises UserError naming it."""
     if cfg.dataset == "digits":
@@ -74,6 +97,8 @@ def load(cfg: argparse.Namespace) -> Data:
         return _mnist_like(cfg)
     if cfg.dataset == "cifar10":
         return _cifar10(cfg)
+    if cfg.dataset == "mnist-idx":
+        return _mnist_idx(cfg)
     return _image_folder(cfg)
 
 
@@ -99,6 +124,39 @@ def _digits() -> Data:
         in_channels=1,
         image_size=8,
     )
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An IDX file (MNIST's format), gzipped or not: a big-endian header of dimensions, then uint8 data."""
+    import gzip
+
+    raw = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise UserError(f"{str(path)!r} is not an IDX file of unsigned bytes (MNIST format)")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    data = torch.frombuffer(bytearray(raw[4 + 4 * ndim :]), dtype=torch.uint8)
+    if data.numel() != math.prod(dims):
+        raise UserError(f"{str(path)!r} is truncated: expected {math.prod(dims)} values, found {data.numel()}")
+    return data.view(*dims)
+
+
+def _mnist_idx(cfg: argparse.Namespace) -> Data:
+    root = Path(cfg.data_root)
+    images = sorted(root.glob("*images-idx3-ubyte*"))
+    labels = sorted(root.glob("*labels-idx1-ubyte*"))
+    if not images or not labels:
+        raise UserError(
+            f"no MNIST IDX files (*images-idx3-ubyte[.gz], *labels-idx1-ubyte[.gz]) in --data-root {str(root)!r}"
+        )
+    x = read_idx(images[0]).float().unsqueeze(1) / 255.0
+    y = read_idx(labels[0]).long()
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
+    n_val = int(round(len(y) * DIGITS_VAL_FRACTION))
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    mean, std = x[train_idx].mean().item(), x[train_idx].std().item()
+    x = _standardised(x, mean, std)
+    return Data(InMemoryDataset(x[train_idx], y[train_idx]), InMemoryDataset(x[val_idx], y[val_idx]), 10, 1, 28)
 
 
 def _missing(cfg: argparse.Namespace, what: str) -> UserError:
@@ -203,8 +261,8 @@ def _loader_options(cfg: argparse.Namespace, dataset: Dataset, device: torch.dev
 def train_loader(
     cfg: argparse.Namespace, dataset: Dataset, rank: int, world_size: int, device: torch.device
 ) -> DataLoader:
-    """Shuffled by DistributedSampler (seeded by --seed; call set_epoch every epoch), padded to equal length."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
+    """Shuffled by DistributedSampler (seeded by --seed; call start_epoch every epoch), padded to equal length."""
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
     # Workers get seed + rank, so augmentation differs between ranks.
     return DataLoader(
         dataset, batch_size=cfg.batch_size, sampler=sampler, **_loader_options(cfg, dataset, device, cfg.seed + rank)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ class Dist:
     local_rank: int
     device: torch.device
     backend: str | None  # None: a single process without a process group
+    control_group: object | None = None  # a gloo group for CPU-side agreement (preemption)
 
     @property
     def is_main(self) -> bool:
@@ -85,12 +87,21 @@ def setup(launch: Launch, device_flag: str = "auto", backend_flag: str = "auto",
     backend = backend_flag if backend_flag != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun keeps one store across restarts; without a per-attempt prefix, a restarted rank can read the
+    # address that a killed rank of the previous attempt published, and gloo then waits on a dead port.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        store=dist.PrefixStore(f"ddp_tricks/attempt_{attempt}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
-    return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend)
+    control_group = dist.new_group(backend="gloo")  # its own queue: agreement never waits behind DDP's traffic
+    return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
 
 
 def cleanup() -> None:
@@ -106,10 +117,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when it is true on any rank: one decision that no rank waits behind."""
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    return bool(all_reduce_sum(value).item() > 0)
+def any_rank(flag: bool, device: torch.device, group=None) -> bool:
+    """True on every rank when it is true on any rank: one decision that no rank waits behind.
+
+    With a gloo `group` the flag stays on the CPU, so asking costs no GPU synchronisation.
+    """
+    value = torch.tensor([1.0 if flag else 0.0], device="cpu" if group is not None else device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return bool(value.item() > 0)
 
 
 def barrier() -> None:
@@ -122,3 +138,63 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
     if dist.is_available() and dist.is_initialized():
         for buffer in module.buffers():
             dist.broadcast(buffer, src)
+
+
+def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's copy of a same-shaped tensor, stacked by rank (just the tensor, unsqueezed, alone)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor.unsqueeze(0)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts)
+
+
+def gather_objects(value) -> list:
+    """Every rank's picklable value, in rank order (only for small values, off the hot path)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+class Preemption:
+    """SIGTERM (what SLURM and Kubernetes send, and torchrun forwards) asks every rank to stop together.
+
+    `agreed()` runs after every step: it reads the previous step's all-reduced flag and starts the next
+    all-reduce without waiting (a CPU collective on the gloo control group), so every rank decides on the
+    same step while no step waits on the network. `agreed(final=True)` settles it synchronously.
+    """
+
+    def __init__(self, dist_info: Dist):
+        self.requested = False
+        self.group = dist_info.control_group
+        self.enabled = dist_info.enabled
+        self._pending = None
+        self._value = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.requested = True
+
+    def _start(self) -> None:
+        self._value = torch.tensor([1.0 if self.requested else 0.0])
+        self._pending = dist.all_reduce(self._value, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _settle(self) -> bool:
+        if self._pending is None:
+            return False
+        self._pending.wait()
+        self._pending = None
+        return bool(self._value.item() > 0)
+
+    def agreed(self, final: bool = False) -> bool:
+        if not self.enabled:
+            return self.requested
+        decided = self._settle()
+        if final:
+            self._start()
+            return self._settle() or decided
+        if not decided:
+            self._start()
+        return decided

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from distributed import all_reduce_sum, broadcast_buffers
+from distributed import all_reduce_sum, any_rank, broadcast_buffers, gather_from_ranks
 from schedulers import Schedule
 
 AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -34,12 +35,16 @@ class Training:
     label_smoothing: float = 0.0
     channels_last: bool = False
     apex_amp: object | None = None  # NVIDIA Apex's amp module, when --amp-backend apex
+    on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
+    epoch: int = 0
     global_step: int = 0  # optimizer steps taken or skipped, over the whole run
-    skipped_steps: int = 0  # fp16 steps skipped by the GradScaler (inf/NaN gradients), over the whole run
+    skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
     criterion: nn.Module = field(init=False)
+    first_nonfinite: torch.Tensor = field(init=False)  # global step of this rank's first non-finite loss, or -1
 
     def __post_init__(self) -> None:
         self.criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=self.label_smoothing)
+        self.first_nonfinite = torch.full((), -1, dtype=torch.long, device=self.device)
 
     @property
     def raw_model(self) -> nn.Module:
@@ -85,14 +90,39 @@ def group_weights(sizes: list[int], accum_steps: int) -> list[tuple[int, bool]]:
     return plan
 
 
-def train_one_epoch(t: Training, loader, progress=None, log_interval: int = 20) -> dict[str, float]:
-    """Train over the loader once; return the epoch's loss and accuracy reduced across ranks."""
+class NonFiniteLoss(Exception):
+    """The loss became NaN or infinite; raised on every rank together."""
+
+    def __init__(self, epoch: int, step: int, rank: int):
+        super().__init__(f"non-finite loss or weights at epoch {epoch}, step {step}, on rank {rank}")
+        self.epoch, self.step, self.rank = epoch, step, rank
+
+
+def train_one_epoch(
+    t: Training,
+    loader,
+    progress=None,
+    log_interval: int = 20,
+    start_step: int = 0,
+    sums: torch.Tensor | None = None,
+    after_step: Callable[[int, torch.Tensor], bool] | None = None,
+) -> dict[str, float] | None:
+    """Train over the loader once; return the epoch's loss and accuracy reduced across ranks.
+
+    To continue an epoch, the loader's sampler must already skip the samples of the first `start_step`
+    steps, and `sums` holds this rank's running (loss, correct, samples) from then. `after_step(steps_done,
+    sums)` runs after every optimizer step; when it returns True the epoch stops there and None is returned.
+    """
     t.model.train()
     plan = group_weights(micro_batch_sizes(len(loader.sampler), loader.batch_size), t.accum_steps)
-    sums = torch.zeros(3, dtype=torch.float64, device=t.device)  # loss, correct, samples
+    sums = torch.zeros(3, dtype=torch.float64, device=t.device) if sums is None else sums.to(t.device)
+    watch_nonfinite = t.scaler is None
+    group_nonfinite = torch.zeros((), dtype=torch.bool, device=t.device)
     skipped_before = t.skipped_steps
     start = time.perf_counter()
-    steps = 0
+    steps = start_step
+    if progress is not None:
+        progress.update(start_step)
     for (inputs, targets), (group_samples, ends_group) in zip(loader, plan):
         inputs, targets = t.to_device(inputs, targets)
         sync = ends_group or not isinstance(t.model, DistributedDataParallel)
@@ -103,12 +133,30 @@ def train_one_epoch(t: Training, loader, progress=None, log_interval: int = 20) 
             loss = loss_sum / group_samples
             t.backward(loss)
         with torch.no_grad():
-            sums[0] += loss_sum.detach()
+            loss_sum = loss_sum.detach()
+            if watch_nonfinite:
+                nonfinite = ~torch.isfinite(loss_sum)
+                group_nonfinite |= nonfinite
+                loss_sum = torch.where(nonfinite, torch.zeros_like(loss_sum), loss_sum)
+            sums[0] += loss_sum
             sums[1] += (outputs.argmax(1) == targets).sum()
             sums[2] += targets.numel()
         if ends_group:
-            optimizer_step(t)
+            if watch_nonfinite and t.on_nonfinite == "skip" and any_rank(group_nonfinite.item(), t.device):
+                t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
+                t.global_step += 1
+                t.skipped_steps += 1
+            else:
+                if watch_nonfinite:
+                    mark = torch.full_like(t.first_nonfinite, t.global_step)
+                    t.first_nonfinite = torch.where(group_nonfinite & (t.first_nonfinite < 0), mark, t.first_nonfinite)
+                optimizer_step(t)
+            group_nonfinite.zero_()
             steps += 1
+            if watch_nonfinite and steps % log_interval == 0:
+                raise_if_nonfinite(t)
+            if after_step is not None and after_step(steps, sums):
+                return None
             if progress is not None and steps % log_interval == 0:
                 progress.set_postfix(
                     loss=f"{(sums[0] / sums[2]).item():.4f}",
@@ -118,6 +166,8 @@ def train_one_epoch(t: Training, loader, progress=None, log_interval: int = 20) 
                 progress.update(log_interval)
     if progress is not None:
         progress.update(steps - progress.n)
+    if watch_nonfinite:
+        raise_if_nonfinite(t)
     all_reduce_sum(sums)
     loss, correct, count = sums.tolist()
     seconds = time.perf_counter() - start
@@ -128,6 +178,26 @@ def train_one_epoch(t: Training, loader, progress=None, log_interval: int = 20) 
         "epoch_seconds": seconds,
         "skipped_steps": t.skipped_steps - skipped_before,
     }
+
+
+def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
+    """Stop every rank together when any rank saw a non-finite loss since the last check (one collective).
+
+    With `check_weights` (before a checkpoint is written) non-finite weights count too: a finite loss can
+    still take a step to infinite weights, and those must never replace the last good checkpoint.
+    """
+    if check_weights:
+        state = [v for v in t.raw_model.state_dict().values() if v.is_floating_point()]  # parameters and buffers
+        finite = torch.stack([v.isfinite().all() for v in state]).all()
+        mark = torch.full_like(t.first_nonfinite, max(t.global_step - 1, 0))
+        t.first_nonfinite = torch.where(~finite & (t.first_nonfinite < 0), mark, t.first_nonfinite)
+    elif t.on_nonfinite != "stop":
+        return
+    gathered = gather_from_ranks(t.first_nonfinite)
+    bad = [(step, rank) for rank, step in enumerate(gathered.tolist()) if step >= 0]
+    if bad:
+        step, rank = min(bad)
+        raise NonFiniteLoss(t.epoch, step + 1, rank)
 
 
 def optimizer_step(t: Training) -> None:

@@ -39,3 +39,58 @@ def curves(run_dir: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def lr_schedule(lrs: list[float], steps_per_epoch: int, path: str | Path, title: str) -> Path:
+    """The learning rate at every optimizer step, with epoch boundaries marked."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    steps = range(1, len(lrs) + 1)
+    ax.plot(steps, lrs, lw=1.5)
+    for epoch_end in range(steps_per_epoch, len(lrs), steps_per_epoch):
+        ax.axvline(epoch_end + 0.5, color="grey", lw=0.5, alpha=0.4)
+    ax.set(title=title, xlabel=f"optimizer step ({steps_per_epoch} per epoch; grey lines: epochs)",
+           ylabel="learning rate")  # fmt: skip
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def overlay(run_dirs: list[str | Path], path: str | Path) -> Path:
+    """Accuracy, loss and LR of several runs on one figure, one colour per run."""
+    fig, (ax_acc, ax_loss, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for run_dir in run_dirs:
+        rows = read_metrics(run_dir)
+        epochs = [r["epoch"] for r in rows]
+        label = Path(run_dir).name
+        (line,) = ax_acc.plot(epochs, [100 * r["val_acc"] for r in rows], "o-", label=f"{label} (val)")
+        ax_acc.plot(epochs, [100 * r["train_acc"] for r in rows], "--", color=line.get_color(), alpha=0.6)
+        ax_loss.plot(epochs, [r["val_loss"] for r in rows], "o-", color=line.get_color(), label=label)
+        ax_lr.plot(epochs, [r["lr"] for r in rows], "o-", color=line.get_color(), label=label)
+    ax_acc.set(title="Accuracy (solid: validation, dashed: train)", xlabel="epoch", ylabel="top-1 accuracy (%)")
+    ax_loss.set(title="Validation loss", xlabel="epoch", ylabel="cross-entropy")
+    ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="learning rate")
+    for ax in (ax_acc, ax_loss, ax_lr):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def accuracy_vs_batch(results: dict[str, list[dict]], path: str | Path) -> Path:
+    """Final top-1 accuracy against global batch size (log scale), one line per optimizer."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for optimizer, cells in results.items():
+        ax.plot([c["batch"] for c in cells], [c["top1"] for c in cells], "o-", label=optimizer)
+    ax.set_xscale("log", base=2)
+    ax.set(title="Validation accuracy against batch size", xlabel="global batch size (samples, log scale)",
+           ylabel="final top-1 accuracy (%)")  # fmt: skip
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

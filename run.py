@@ -18,9 +18,11 @@ import json
 import logging
 import math
 import os
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -32,12 +34,14 @@ import models
 import plots
 import schedulers
 from customized_function import EarlyStopping, same_seeds
-from engine import AMP_DTYPES, Training, evaluate, train_one_epoch
+from engine import AMP_DTYPES, NonFiniteLoss, Training, evaluate, raise_if_nonfinite, train_one_epoch
 from lamb import LAMB
 from lars import LARS, LARSWrapper, parameter_groups
 from lookahead import Lookahead
 
 log = logging.getLogger("ddp_tricks")
+PREEMPTED = 143  # exit code after SIGTERM: last.pt holds the state, `--resume auto` continues exactly
+NONFINITE = 3  # exit code after a NaN/inf loss: last.pt keeps the last good weights
 METRICS = [
     "epoch",
     "step",
@@ -66,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         check_run_dir_writable(Path(cfg.run_dir))
         dist = distributed.setup(launch, cfg.device, cfg.backend, cfg.dist_timeout)
         return train(cfg, dist, datasets, state)
+    except NonFiniteLoss as error:  # raised on every rank together
+        if launch.rank == 0:
+            print(f"error: {error}; last.pt keeps the last good weights. Lower --base-lr, add --clip-grad-norm, "
+                  "or pass --on-nonfinite skip", file=sys.stderr)  # fmt: skip
+        return NONFINITE
     except config.UserError as error:
         where = "" if launch.rank == 0 else f" on rank {launch.rank}"
         print(f"error{where}: {error}", file=sys.stderr)
@@ -114,29 +123,32 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
         clip_grad_norm=cfg.clip_grad_norm,
         label_smoothing=cfg.label_smoothing,
         channels_last=cfg.channels_last,
+        on_nonfinite=cfg.on_nonfinite,
     )
     early_stopping = (
         EarlyStopping(cfg.early_stop_patience, delta=cfg.early_stop_delta) if cfg.early_stop_patience else None
     )
     best = {"val_loss": math.inf, "val_acc": 0.0}
-    start_epoch = 1
+    start_epoch, start_step, start_sums = 1, 0, None
     if state is not None:
-        start_epoch = restore(state, training, early_stopping, best, cfg)
+        start_epoch, start_step, start_sums = restore(state, training, early_stopping, best, cfg, dist)
 
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(vars(cfg) | {"world_size": dist.world_size}, indent=2))
         keep_metrics_through(run_dir / "metrics.csv", start_epoch - 1)
+    record_workers(run_dir, dist)
     log.info(
         "%s on %d process(es), device %s: global batch %d, learning rate %.6g (--lr-scaling %s), %d steps/epoch",
-        cfg.model,
-        dist.world_size,
-        dist.device,
-        cfg.global_batch_size,
-        cfg.effective_lr,
-        cfg.lr_scaling,
+        cfg.model, dist.world_size, dist.device, cfg.global_batch_size, cfg.effective_lr, cfg.lr_scaling,
         steps_per_epoch,
-    )
+    )  # fmt: skip
+
+    if cfg.plot_lr:
+        if dist.is_main:
+            path = preview_lr(cfg, steps_per_epoch, run_dir)
+            log.info("learning-rate schedule: %s", path)
+        return 0
 
     if cfg.eval_only:
         row = {"epoch": start_epoch - 1, "step": training.global_step} | evaluate(training, val_loader)
@@ -145,12 +157,43 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
         log.info("eval-only: val_loss %.4f, val_acc %.2f%% -> %s", row["val_loss"], 100 * row["val_acc"], run_dir)
         return 0
 
+    preemption = distributed.Preemption(dist)
+    tensorboard = tensorboard_writer(run_dir) if cfg.tensorboard and dist.is_main else None
+
+    def after_step(steps_done: int, sums: torch.Tensor) -> bool:
+        """Mid-epoch checkpoints, and the stop that every rank agrees on after SIGTERM."""
+        stop = preemption.agreed()
+        every = cfg.checkpoint_every_steps
+        if stop or (every and training.global_step % every == 0):
+            save_last(run_dir, training, cfg, dist, training.epoch, steps_done, sums, early_stopping, best)
+        return stop
+
     for epoch in range(start_epoch, cfg.epochs + 1):
-        train_loader.sampler.set_epoch(epoch)
+        first_step = start_step if epoch == start_epoch else 0
+        data.start_epoch(
+            train_loader, epoch, cfg.seed, dist.rank, skip_samples=first_step * cfg.accum_steps * cfg.batch_size
+        )
+        if first_step:
+            restore_rng(state["rng"][dist.rank])
+        training.epoch = epoch
+
         progress = progress_bar(cfg, dist, steps_per_epoch, f"epoch {epoch}/{cfg.epochs}")
-        row = {"epoch": epoch} | train_one_epoch(training, train_loader, progress, cfg.log_interval)
+        result = train_one_epoch(
+            training,
+            train_loader,
+            progress,
+            cfg.log_interval,
+            first_step,
+            start_sums if first_step else None,
+            after_step,
+        )
         if progress is not None:
             progress.close()
+        if result is None:
+            log.info("preempted at epoch %d, step %d: last.pt written; continue with --resume auto", epoch,
+                     training.global_step)  # fmt: skip
+            return PREEMPTED
+        row = {"epoch": epoch} | result
         row |= evaluate(training, val_loader) | {"step": training.global_step, "lr": current_lr(training)}
         training.schedule.epoch_end(row["val_loss"])  # the same reduced value on every rank
         improved = row["val_loss"] < best["val_loss"]
@@ -161,24 +204,21 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
         stop = early_stopping is not None and early_stopping.early_stop
         if dist.is_main:
             append_metrics(run_dir / "metrics.csv", row)
-            snapshot = checkpoint_state(training, cfg, epoch, early_stopping, best)
-            checkpoint.save(snapshot, run_dir / "last.pt")
-            if improved:
-                checkpoint.save(snapshot, run_dir / "best.pt")
+        if tensorboard is not None:
+            for key in METRICS[2:]:
+                tensorboard.add_scalar(key, row[key], epoch)
+            tensorboard.flush()
+        save_last(run_dir, training, cfg, dist, epoch + 1, 0, None, early_stopping, best, also_best=improved)
         log.info(
             "epoch %d: train loss %.4f acc %.2f%% | val loss %.4f acc %.2f%% | lr %.4g | %.1fs, %.0f samples/s%s",
-            epoch,
-            row["train_loss"],
-            100 * row["train_acc"],
-            row["val_loss"],
-            100 * row["val_acc"],
-            row["lr"],
-            row["epoch_seconds"],
-            row["samples_per_second"],
-            " (early stop)" if stop else "",
-        )
+            epoch, row["train_loss"], 100 * row["train_acc"], row["val_loss"], 100 * row["val_acc"], row["lr"],
+            row["epoch_seconds"], row["samples_per_second"], " (early stop)" if stop else "",
+        )  # fmt: skip
         if stop:
             break
+        if preemption.agreed(final=True) and epoch < cfg.epochs:
+            log.info("preempted after epoch %d: last.pt written; continue with --resume auto", epoch)
+            return PREEMPTED
 
     if dist.is_main:
         plots.curves(run_dir)
@@ -189,6 +229,33 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
         run_dir,
     )
     return 0
+
+
+def preview_lr(cfg: argparse.Namespace, steps_per_epoch: int, run_dir: Path) -> Path:
+    """Step a copy of the run's schedule over the whole run, on a throwaway optimizer; draw it, list it."""
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.effective_lr)
+    schedule = schedulers.build(cfg, probe, steps_per_epoch)
+    lrs = []
+    for _ in range(cfg.epochs * steps_per_epoch):
+        lrs.append(probe.param_groups[0]["lr"])
+        probe.step()
+        schedule.step()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "lr_schedule.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "lr"])
+        writer.writerows(enumerate(lrs, start=1))
+    kind = schedulers.decay_kind(cfg)
+    note = " (plateau cuts depend on the validation loss: not shown)" if kind == "plateau" else ""
+    title = (f"{kind} after {cfg.warmup_epochs:g} warmup epochs, LR {cfg.effective_lr:.4g} "
+             f"(--lr-scaling {cfg.lr_scaling}, global batch {cfg.global_batch_size}){note}")  # fmt: skip
+    return plots.lr_schedule(lrs, steps_per_epoch, run_dir / "lr_schedule.png", title)
+
+
+def tensorboard_writer(run_dir: Path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_dir / "tb"))
 
 
 def setup_logging(run_dir: Path, is_main: bool) -> None:
@@ -232,6 +299,10 @@ def wrap_model(cfg: argparse.Namespace, model: torch.nn.Module, dist: distribute
 
 
 def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile; where it cannot work, one warning and eager mode (now, or at the first failing call)."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly instead
     try:
         return torch.compile(model)
     except Exception as error:  # torch.compile refuses some platforms outright
@@ -287,22 +358,79 @@ def current_lr(training: Training) -> float:
     return training.optimizer.param_groups[0]["lr"]
 
 
-def checkpoint_state(training: Training, cfg: argparse.Namespace, epoch: int, early_stopping, best: dict) -> dict:
-    """Everything needed to continue after `epoch`: only tensors and plain containers (weights_only loads)."""
-    return {
+def save_last(
+    run_dir: Path,
+    training: Training,
+    cfg: argparse.Namespace,
+    dist: distributed.Dist,
+    next_epoch: int,
+    step_in_epoch: int,
+    sums: torch.Tensor | None,
+    early_stopping,
+    best: dict,
+    also_best: bool = False,
+) -> None:
+    """Every rank hands over its RNG state (and mid-epoch, its running sums); rank 0 writes last.pt atomically.
+
+    A non-finite loss or weight stops every rank here, before such weights can replace the last good ones.
+    """
+    raise_if_nonfinite(training, check_weights=True)
+    rng = distributed.gather_objects(rng_state())
+    all_sums = distributed.gather_from_ranks(sums.to(training.device)).cpu() if sums is not None else None
+    if not dist.is_main:
+        return
+    snapshot = {
         "model": training.raw_model.state_dict(),
         "optimizer": training.optimizer.state_dict(),
         "optimizer_name": describe_optimizer(training.optimizer),
         "schedule": training.schedule.state_dict(),
         "scaler": training.scaler.state_dict() if training.scaler is not None else None,
         "early_stopping": early_stopping.state_dict() if early_stopping is not None else None,
-        "epoch": epoch,
+        "epoch": next_epoch - 1,  # epochs completed
+        "step_in_epoch": step_in_epoch,  # optimizer steps already taken in epoch `epoch + 1`
+        "epoch_sums": all_sums,  # each rank's running (loss, correct, samples) of that epoch, mid-epoch only
         "global_step": training.global_step,
         "skipped_steps": training.skipped_steps,
         "best": dict(best),
+        "rng": rng,
+        "world_size": dist.world_size,
         "config": {k: v for k, v in vars(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))},
         "torch_version": str(torch.__version__),
     }
+    checkpoint.save(snapshot, run_dir / "last.pt")
+    if also_best:
+        checkpoint.save(snapshot, run_dir / "best.pt")
+
+
+def rng_state() -> dict:
+    """This process's random generators, as tensors and plain values (safe for weights_only loading)."""
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def restore_rng(state: dict) -> None:
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def record_workers(run_dir: Path, dist: distributed.Dist) -> None:
+    """run_dir/workers.json: each rank's process id (for operators, and the restart test)."""
+    pids = distributed.gather_objects(os.getpid())
+    if dist.is_main:
+        (run_dir / "workers.json").write_text(
+            json.dumps({"pids": pids, "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")})
+        )
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
@@ -322,8 +450,11 @@ def load_model_state(model: torch.nn.Module, state: dict, cfg: argparse.Namespac
         ) from None
 
 
-def restore(state: dict, training: Training, early_stopping, best: dict, cfg: argparse.Namespace) -> int:
-    """Put the optimizer, schedule, scaler and counters back; return the first epoch still to train."""
+def restore(
+    state: dict, training: Training, early_stopping, best: dict, cfg: argparse.Namespace, dist: distributed.Dist
+) -> tuple[int, int, torch.Tensor | None]:
+    """Put the optimizer, schedule, scaler and counters back; return where to continue: the epoch, the steps
+    already taken in it, and this rank's running sums of it."""
     saved, ours = state.get("optimizer_name"), describe_optimizer(training.optimizer)
     if saved != ours:
         raise config.UserError(
@@ -346,7 +477,14 @@ def restore(state: dict, training: Training, early_stopping, best: dict, cfg: ar
     training.global_step = state["global_step"]
     training.skipped_steps = state.get("skipped_steps", 0)
     best.update(state["best"])
-    return state["epoch"] + 1
+    step_in_epoch = state.get("step_in_epoch", 0)
+    if step_in_epoch and state.get("world_size") != dist.world_size:
+        raise config.UserError(
+            f"checkpoint {cfg.resume!r} was written mid-epoch by {state.get('world_size')} processes; "
+            f"resume it with that many (this run has {dist.world_size})"
+        )
+    sums = state["epoch_sums"][dist.rank] if step_in_epoch else None
+    return state["epoch"] + 1, step_in_epoch, sums
 
 
 def keep_metrics_through(path: Path, last_epoch: int) -> None:

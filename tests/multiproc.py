@@ -25,13 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, pg_timeout=60):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
+        )
         # Plain pickle bytes: tensors by value, not as shared-memory handles that die with this process.
         queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
@@ -41,17 +43,21 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120):
-    """Run fn(rank, world_size, *args) in `world_size` gloo processes; return the results by rank."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 120, reporting=None, pg_timeout: float = 60):
+    """Run fn(rank, world_size, *args) in `world_size` gloo processes; return the results of the ranks in
+    `reporting` (default: all), by rank. Every wait is bounded: a hang fails the test."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    reporting = list(range(world_size)) if reporting is None else list(reporting)
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, pg_timeout)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results = {}
     try:
-        for _ in range(world_size):
+        for _ in reporting:
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
@@ -61,7 +67,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world_size)]
+    return [results[r] for r in reporting]
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | None = None, extra=()):

@@ -1,0 +1,292 @@
+"""Nothing is lost: exact resume (epoch boundary and mid-epoch), preemption by SIGTERM, restart after a killed
+worker, non-finite losses, a dead rank, two nodes on one machine, and atomic checkpoint writes."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from multiproc import REPO, free_port, run_ranks, torchrun
+
+import checkpoint
+
+TIMING = {"epoch_seconds", "samples_per_second"}
+# Small batches: ~180 steps per epoch, so a signal lands while training.
+FLAGS = ["--batch-size", "4", "--warmup-epochs", "0.5", "--no-progress", "--log-interval", "5"]
+
+
+def rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "last.pt", weights_only=True)["model"]
+
+
+def assert_same_run(a, b):
+    assert rows(a) == rows(b)
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    result = torchrun([*FLAGS, "--epochs", "3", "-n", "full", "--runs-dir", str(runs)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return runs / "full"
+
+
+def _wait_for(predicate, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting")
+
+
+@pytest.mark.timeout(400)
+def test_resume_after_an_epoch_is_bit_identical(uninterrupted, tmp_path):
+    # A run stopped after epoch 1 (its constant-after-warmup schedule does not depend on --epochs), resumed.
+    part = torchrun([*FLAGS, "--epochs", "1", "-n", "p", "--runs-dir", str(tmp_path)])
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = torchrun([*FLAGS, "--epochs", "3", "-n", "p", "--runs-dir", str(tmp_path), "--resume", "auto"])
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert_same_run(uninterrupted, tmp_path / "p")
+
+
+def _launch(args, extra=()):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        *extra,
+        str(REPO / "run.py"),
+        *args,
+    ]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _pids(run_dir):
+    return json.loads((run_dir / "workers.json").read_text())["pids"]
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_path):
+    run_dir = tmp_path / "pre"
+    proc = _launch([*FLAGS, "--epochs", "3", "-n", "pre", "--runs-dir", str(tmp_path)])
+    _wait_for(lambda: (run_dir / "workers.json").exists())
+    os.kill(_pids(run_dir)[1], signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "exitcode  : 143" in err or proc.returncode == 0, err[-3000:]  # 0 only if it had already finished
+    if proc.returncode != 0:
+        assert "preempted" in out
+        saved = checkpoint.load(run_dir / "last.pt")
+        assert saved["global_step"] > 0
+        resumed = torchrun([*FLAGS, "--epochs", "3", "-n", "pre", "--runs-dir", str(tmp_path), "--resume", "auto"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(uninterrupted, run_dir)
+
+
+@pytest.mark.timeout(400)
+def test_mid_epoch_checkpoint_resume_skips_exactly_the_consumed_batches(uninterrupted, tmp_path):
+    run_dir = tmp_path / "mid"
+    proc = _launch(
+        [*FLAGS, "--epochs", "3", "-n", "mid", "--runs-dir", str(tmp_path), "--checkpoint-every-steps", "50"]
+    )
+    _wait_for(lambda: (run_dir / "last.pt").exists())
+    os.kill(proc.pid, signal.SIGTERM)  # to the launcher, which forwards it to every worker
+    proc.communicate(timeout=120)
+    state = checkpoint.load(run_dir / "last.pt")
+    resumed = torchrun([*FLAGS, "--epochs", "3", "-n", "mid", "--runs-dir", str(tmp_path), "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert state["global_step"] % 181 != 0 or state["step_in_epoch"] == 0
+    assert_same_run(uninterrupted, run_dir)
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_restarts_after_kill_9_and_finishes_like_the_uninterrupted_run(uninterrupted, tmp_path):
+    run_dir = tmp_path / "elastic"
+    proc = _launch(
+        [
+            *FLAGS,
+            "--epochs",
+            "3",
+            "-n",
+            "elastic",
+            "--runs-dir",
+            str(tmp_path),
+            "--resume",
+            "auto",
+            "--checkpoint-every-steps",
+            "40",
+        ],
+        extra=("--max-restarts=1",),
+    )
+    _wait_for(lambda: (run_dir / "last.pt").exists())
+    os.kill(_pids(run_dir)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads((run_dir / "workers.json").read_text())["restart"] == "1"
+    assert_same_run(uninterrupted, run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_nonfinite_loss_stops_every_rank_and_keeps_the_last_good_weights(tmp_path):
+    result = torchrun(
+        [
+            "--base-lr",
+            "1e6",
+            "--epochs",
+            "1",
+            "--checkpoint-every-steps",
+            "1",
+            "-n",
+            "nan",
+            "--runs-dir",
+            str(tmp_path),
+            "--no-progress",
+            "--log-interval",
+            "1",
+        ]
+    )
+    assert result.returncode != 0 and "exitcode  : 3" in result.stderr
+    line = next(line for line in result.stderr.splitlines() if line.startswith("error: non-finite loss or weights"))
+    assert "epoch 1, step" in line and "on rank" in line
+    saved = checkpoint.load(tmp_path / "nan" / "last.pt")
+    bad_step = int(line.split("step ")[1].split(",")[0])
+    assert saved["global_step"] < bad_step
+    assert all(torch.isfinite(v).all() for v in saved["model"].values() if v.is_floating_point())
+
+
+def _skip_nonfinite(rank, world_size):
+    import argparse
+
+    from torch import nn
+
+    import data
+    from engine import Training, train_one_epoch
+    from schedulers import Schedule, WarmupDecay
+
+    inputs = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    inputs[37, 0, 3, 3] = float("inf")  # one bad sample: whichever rank draws it, its step is skipped everywhere
+    dataset = data.InMemoryDataset(inputs, torch.arange(64) % 10)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = argparse.Namespace(batch_size=8, seed=0, workers=0, prefetch_factor=2)
+    loader = data.train_loader(cfg, dataset, rank, world_size, torch.device("cpu"))
+    data.start_epoch(loader, 1, 0, rank)
+    t = Training(ddp, opt, Schedule(WarmupDecay(opt, 0, 0)), torch.device("cpu"), on_nonfinite="skip")
+    row = train_one_epoch(t, loader)
+    return row["skipped_steps"], t.global_step, t.schedule.per_step.last_epoch, [p.detach() for p in model.parameters()]
+
+
+def test_nonfinite_loss_skip_mode_skips_on_every_rank_and_counts():
+    (skipped0, steps0, sched0, w0), (skipped1, steps1, sched1, w1) = run_ranks(_skip_nonfinite, 2)
+    assert skipped0 == skipped1 == 1 and steps0 == steps1 == 4  # 64 samples / (2 ranks x 8)
+    assert sched0 == sched1 == 3  # the schedule advanced only for the 3 steps taken
+    assert all(torch.isfinite(p).all() and torch.equal(p, q) for p, q in zip(w0, w1))
+
+
+def _one_rank_dies(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(1)
+    start = time.time()
+    try:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(1))
+    except Exception as error:  # the survivor errors out instead of waiting forever
+        return type(error).__name__, time.time() - start
+    return "no error", time.time() - start
+
+
+def test_a_dead_rank_makes_the_others_fail_not_hang():
+    # --dist-timeout sets this bound in run.py; here 10 s.
+    ((outcome, seconds),) = run_ranks(_one_rank_dies, 2, reporting=[0], pg_timeout=10, timeout=60)
+    assert outcome != "no error" and seconds < 30
+
+
+@pytest.mark.timeout(300)
+def test_killed_worker_without_restarts_ends_the_job(tmp_path):
+    run_dir = tmp_path / "dead"
+    proc = _launch([*FLAGS, "--epochs", "3", "-n", "dead", "--runs-dir", str(tmp_path)])
+    _wait_for(lambda: (run_dir / "workers.json").exists())
+    os.kill(_pids(run_dir)[0], signal.SIGKILL)
+    proc.communicate(timeout=120)  # no hang
+    assert proc.returncode != 0
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(tmp_path):
+    args = ["--epochs", "1", "--no-progress", "--runs-dir", str(tmp_path)]
+    single = torchrun([*args, "-n", "single"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={r}",
+                "--nproc_per_node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=twonodes",
+                str(REPO / "run.py"),
+                *args,
+                "-n",
+                "multi",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for node in nodes:
+        node.communicate(timeout=240)
+        assert node.returncode == 0
+    assert_same_run(tmp_path / "single", tmp_path / "multi")
+
+
+WRITER = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+import checkpoint
+big = {{"model": {{"w": torch.randn(4_000_000)}}, "epoch": 0}}
+n = 0
+while True:
+    n += 1
+    big["epoch"] = n
+    checkpoint.save(big, {path!r})
+"""
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    path = tmp_path / "last.pt"
+    checkpoint.save({"model": {"w": torch.zeros(3)}, "epoch": 0}, path)
+    for delay in (0.3, 0.55, 0.8):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=str(REPO), path=str(path))])
+        time.sleep(delay)
+        writer.kill()
+        writer.wait(timeout=30)
+        state = checkpoint.load(path)  # never a torn file
+        assert state["epoch"] >= 0
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "last.pt"]
+    assert len(leftovers) <= 3  # at most the temporary files of the killed writes, never the checkpoint

@@ -1,0 +1,126 @@
+"""The evidence tools: the batch-size sweep, overlaid run plots, the LR-schedule preview, IDX reading."""
+
+import csv
+import gzip
+import subprocess
+import sys
+
+import pytest
+import torch
+from multiproc import REPO, python_run
+
+import data
+
+
+def _png(path):
+    return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+@pytest.mark.timeout(400)
+def test_sweep_on_a_2x2_grid_writes_both_tables_and_figures_and_resumes(tmp_path):
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "sweep.py"),
+        "--batch-sizes",
+        "32",
+        "256",
+        "--optimizers",
+        "sgd",
+        "lars",
+        "--epochs",
+        "1",
+        "--warmup-epochs",
+        "0.5",
+        "--out",
+        str(tmp_path),
+        "--",
+        "--log-interval",
+        "5",
+    ]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=360)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = (tmp_path / "results.md").read_text()
+    assert "## sgd" in results and "## lars" in results
+    assert results.count("| Batch | Base LR | top-1 accuracy | time to train |") == 2
+    assert "| 256 | 0.4 |" in results  # sgd: 0.05 x 256/32, linear scaling
+    assert _png(tmp_path / "accuracy_vs_batch.png") and _png(tmp_path / "curves.png")
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.count("finished before, skipped") == 4
+
+    plot = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "plot_runs.py"),
+            str(tmp_path / "cells" / "sgd-b32"),
+            str(tmp_path / "cells" / "lars-b32"),
+            "-o",
+            str(tmp_path / "two.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plot.returncode == 0, plot.stderr
+    assert _png(tmp_path / "two.png") and _png(tmp_path / "cells" / "sgd-b32" / "curves.png")
+
+
+def test_plot_runs_refuses_a_folder_without_metrics(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plot_runs.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "no metrics.csv" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_plot_lr_draws_the_schedule_training_then_follows(tmp_path):
+    flags = [
+        "--epochs",
+        "3",
+        "--warmup-epochs",
+        "0.5",
+        "--scheduler",
+        "poly",
+        "--lr-scaling",
+        "linear",
+        "--base-batch-size",
+        "64",
+        "--runs-dir",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    preview = python_run([*flags, "--plot-lr", "-n", "preview"])
+    assert preview.returncode == 0, preview.stderr[-3000:]
+    assert _png(tmp_path / "preview" / "lr_schedule.png")
+    assert not (tmp_path / "preview" / "metrics.csv").exists()  # nothing trained
+    with open(tmp_path / "preview" / "lr_schedule.csv", newline="") as f:
+        planned = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
+    steps_per_epoch = len(planned) // 3
+    # by hand: 0.05 x 32/64 = 0.025 peak; warmup 0.5 epoch; poly power 1 to 0 over the rest
+    warmup = round(0.5 * steps_per_epoch)
+    assert planned[1] == pytest.approx(0.025 / warmup) and planned[warmup] == pytest.approx(0.025)
+    trained = python_run([*flags, "-n", "trained"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    with open(tmp_path / "trained" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows[:-1]:  # the LR after an epoch's last step is the one the next step will use
+        assert float(row["lr"]) == pytest.approx(planned[int(row["step"]) + 1], rel=1e-12)
+
+
+def test_idx_files_are_read_and_split(tmp_path):
+    images = torch.randint(0, 256, (50, 28, 28), dtype=torch.uint8)
+    labels = torch.arange(50, dtype=torch.uint8) % 10
+    header = lambda dims: bytes([0, 0, 8, len(dims)]) + b"".join(d.to_bytes(4, "big") for d in dims)  # noqa: E731
+    with gzip.open(tmp_path / "t10k-images-idx3-ubyte.gz", "wb") as f:
+        f.write(header([50, 28, 28]) + images.numpy().tobytes())
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(header([50]) + labels.numpy().tobytes())
+    assert torch.equal(data.read_idx(tmp_path / "t10k-images-idx3-ubyte.gz"), images)
+    import argparse
+
+    split = data.load(argparse.Namespace(dataset="mnist-idx", data_root=str(tmp_path)))
+    assert len(split.train_set) == 40 and len(split.val_set) == 10
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(header([50]) + labels.numpy().tobytes()[:20])
+    with pytest.raises(data.UserError, match="truncated"):
+        data.read_idx(tmp_path / "t10k-labels-idx1-ubyte")

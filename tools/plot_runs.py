@@ -1,0 +1,32 @@
+"""Overlay several runs (accuracy, loss, LR per epoch) in one figure.
+
+python tools/plot_runs.py runs/a runs/b ... [-o runs/compare.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import plots  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", help="run folders, each with a metrics.csv")
+    parser.add_argument("-o", "--output", default="runs/compare.png", help="the figure to write")
+    args = parser.parse_args(argv)
+    missing = [d for d in args.run_dirs if not (Path(d) / "metrics.csv").is_file()]
+    if missing:
+        print(f"error: no metrics.csv in {', '.join(missing)}: give run folders written by run.py", file=sys.stderr)
+        return 2
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    print(plots.overlay(args.run_dirs, args.output))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
