@@ -104,8 +104,16 @@ def setup(launch: Launch, device_flag: str = "auto", backend_flag: str = "auto",
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
 
 
+_LIVE_PREEMPTIONS: list = []
+
+
 def cleanup() -> None:
-    """Leave the process group; safe to call on every path, twice, or with no group at all."""
+    """Leave the process group; safe to call on every path, twice, or with no group at all.
+
+    An agreement still in flight is settled first: tearing a group down under pending work aborts the process.
+    """
+    while _LIVE_PREEMPTIONS:
+        _LIVE_PREEMPTIONS.pop().close()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -172,7 +180,16 @@ class Preemption:
         self.enabled = dist_info.enabled
         self._pending = None
         self._value = None
-        signal.signal(signal.SIGTERM, self._on_signal)
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+        _LIVE_PREEMPTIONS.append(self)
+
+    def close(self) -> None:
+        """Settle any agreement in flight and give SIGTERM its previous handler back."""
+        try:
+            self._settle()
+        except Exception:  # a broken group: the error that broke it is already on its way up
+            pass
+        signal.signal(signal.SIGTERM, self._previous_handler)
 
     def _on_signal(self, signum, frame) -> None:
         self.requested = True

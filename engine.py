@@ -40,11 +40,10 @@ class Training:
     global_step: int = 0  # optimizer steps taken or skipped, over the whole run
     skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
     criterion: nn.Module = field(init=False)
-    first_nonfinite: torch.Tensor = field(init=False)  # global step of this rank's first non-finite loss, or -1
+    epoch_loss: torch.Tensor | None = field(init=False, default=None)  # this rank's running loss of the epoch
 
     def __post_init__(self) -> None:
         self.criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=self.label_smoothing)
-        self.first_nonfinite = torch.full((), -1, dtype=torch.long, device=self.device)
 
     @property
     def raw_model(self) -> nn.Module:
@@ -94,7 +93,7 @@ class NonFiniteLoss(Exception):
     """The loss became NaN or infinite; raised on every rank together."""
 
     def __init__(self, epoch: int, step: int, rank: int):
-        super().__init__(f"non-finite loss or weights at epoch {epoch}, step {step}, on rank {rank}")
+        super().__init__(f"non-finite loss or weights at epoch {epoch}, found at step {step}, on rank {rank}")
         self.epoch, self.step, self.rank = epoch, step, rank
 
 
@@ -105,18 +104,28 @@ def train_one_epoch(
     log_interval: int = 20,
     start_step: int = 0,
     sums: torch.Tensor | None = None,
-    after_step: Callable[[int, torch.Tensor], bool] | None = None,
+    after_step: Callable[[int, Callable[[], torch.Tensor]], bool] | None = None,
 ) -> dict[str, float] | None:
     """Train over the loader once; return the epoch's loss and accuracy reduced across ranks.
 
     To continue an epoch, the loader's sampler must already skip the samples of the first `start_step`
     steps, and `sums` holds this rank's running (loss, correct, samples) from then. `after_step(steps_done,
-    sums)` runs after every optimizer step; when it returns True the epoch stops there and None is returned.
+    current_sums)` runs after every optimizer step (`current_sums()` gives this rank's running sums); when it
+    returns True the epoch stops there and None is returned.
     """
     t.model.train()
     plan = group_weights(micro_batch_sizes(len(loader.sampler), loader.batch_size), t.accum_steps)
-    sums = torch.zeros(3, dtype=torch.float64, device=t.device) if sums is None else sums.to(t.device)
-    watch_nonfinite = t.scaler is None
+    sums = torch.zeros(3, dtype=torch.float64) if sums is None else sums.cpu()
+    # Running totals: two device scalars and a host count, the fewest operations per step.
+    loss_total = sums[0].to(t.device, copy=True)
+    correct_total = sums[1].to(t.device, copy=True)
+    count = int(sums[2])
+    t.epoch_loss = loss_total  # a non-finite loss makes it non-finite: "stop" checks it, at no cost per step
+
+    def current_sums() -> torch.Tensor:
+        return torch.stack([loss_total, correct_total, torch.tensor(float(count), device=t.device)])
+
+    skip_nonfinite = t.scaler is None and t.on_nonfinite == "skip"
     group_nonfinite = torch.zeros((), dtype=torch.bool, device=t.device)
     skipped_before = t.skipped_steps
     start = time.perf_counter()
@@ -134,41 +143,37 @@ def train_one_epoch(
             t.backward(loss)
         with torch.no_grad():
             loss_sum = loss_sum.detach()
-            if watch_nonfinite:
+            if skip_nonfinite:  # keep the skipped batch out of the epoch's loss
                 nonfinite = ~torch.isfinite(loss_sum)
                 group_nonfinite |= nonfinite
                 loss_sum = torch.where(nonfinite, torch.zeros_like(loss_sum), loss_sum)
-            sums[0] += loss_sum
-            sums[1] += (outputs.argmax(1) == targets).sum()
-            sums[2] += targets.numel()
+            loss_total += loss_sum
+            correct_total += (outputs.argmax(1) == targets).sum()
+            count += targets.shape[0]
         if ends_group:
-            if watch_nonfinite and t.on_nonfinite == "skip" and any_rank(group_nonfinite.item(), t.device):
+            if skip_nonfinite and any_rank(group_nonfinite.item(), t.device):
                 t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
                 t.global_step += 1
                 t.skipped_steps += 1
+                group_nonfinite.zero_()
             else:
-                if watch_nonfinite:
-                    mark = torch.full_like(t.first_nonfinite, t.global_step)
-                    t.first_nonfinite = torch.where(group_nonfinite & (t.first_nonfinite < 0), mark, t.first_nonfinite)
                 optimizer_step(t)
-            group_nonfinite.zero_()
             steps += 1
-            if watch_nonfinite and steps % log_interval == 0:
+            if steps % log_interval == 0:
                 raise_if_nonfinite(t)
-            if after_step is not None and after_step(steps, sums):
+            if after_step is not None and after_step(steps, current_sums):
                 return None
             if progress is not None and steps % log_interval == 0:
                 progress.set_postfix(
-                    loss=f"{(sums[0] / sums[2]).item():.4f}",
+                    loss=f"{loss_total.item() / count:.4f}",
                     lr=f"{t.optimizer.param_groups[0]['lr']:.4g}",
-                    samples_per_s=f"{sums[2].item() / (time.perf_counter() - start):.0f}",
+                    samples_per_s=f"{count / (time.perf_counter() - start):.0f}",
                 )
                 progress.update(log_interval)
     if progress is not None:
         progress.update(steps - progress.n)
-    if watch_nonfinite:
-        raise_if_nonfinite(t)
-    all_reduce_sum(sums)
+    raise_if_nonfinite(t)
+    sums = all_reduce_sum(current_sums())
     loss, correct, count = sums.tolist()
     seconds = time.perf_counter() - start
     return {
@@ -181,23 +186,24 @@ def train_one_epoch(
 
 
 def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
-    """Stop every rank together when any rank saw a non-finite loss since the last check (one collective).
+    """Stop every rank together when any rank's epoch loss has become non-finite (one small collective).
 
-    With `check_weights` (before a checkpoint is written) non-finite weights count too: a finite loss can
-    still take a step to infinite weights, and those must never replace the last good checkpoint.
+    Called every `--log-interval` steps, at the end of the epoch, and (with `check_weights`) before every
+    checkpoint, where non-finite weights or buffers count too: a finite loss can still take a step to
+    infinite weights, and those must never replace the last good checkpoint.
     """
+    if t.scaler is not None or (t.on_nonfinite != "stop" and not check_weights):
+        return  # fp16: the GradScaler skips such steps itself
+    bad = ~torch.isfinite(t.epoch_loss) if t.on_nonfinite == "stop" and t.epoch_loss is not None else None
     if check_weights:
         state = [v for v in t.raw_model.state_dict().values() if v.is_floating_point()]  # parameters and buffers
-        finite = torch.stack([v.isfinite().all() for v in state]).all()
-        mark = torch.full_like(t.first_nonfinite, max(t.global_step - 1, 0))
-        t.first_nonfinite = torch.where(~finite & (t.first_nonfinite < 0), mark, t.first_nonfinite)
-    elif t.on_nonfinite != "stop":
+        weights_bad = ~torch.stack([v.isfinite().all() for v in state]).all()
+        bad = weights_bad if bad is None else bad | weights_bad
+    if bad is None:
         return
-    gathered = gather_from_ranks(t.first_nonfinite)
-    bad = [(step, rank) for rank, step in enumerate(gathered.tolist()) if step >= 0]
-    if bad:
-        step, rank = min(bad)
-        raise NonFiniteLoss(t.epoch, step + 1, rank)
+    flags = gather_from_ranks(bad.reshape(1).to(torch.float32)).flatten().tolist()
+    if any(flags):
+        raise NonFiniteLoss(t.epoch, t.global_step, flags.index(1.0))
 
 
 def optimizer_step(t: Training) -> None:

@@ -160,12 +160,12 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
     preemption = distributed.Preemption(dist)
     tensorboard = tensorboard_writer(run_dir) if cfg.tensorboard and dist.is_main else None
 
-    def after_step(steps_done: int, sums: torch.Tensor) -> bool:
+    def after_step(steps_done: int, current_sums) -> bool:
         """Mid-epoch checkpoints, and the stop that every rank agrees on after SIGTERM."""
         stop = preemption.agreed()
         every = cfg.checkpoint_every_steps
         if stop or (every and training.global_step % every == 0):
-            save_last(run_dir, training, cfg, dist, training.epoch, steps_done, sums, early_stopping, best)
+            save_last(run_dir, training, cfg, dist, training.epoch, steps_done, current_sums(), early_stopping, best)
         return stop
 
     for epoch in range(start_epoch, cfg.epochs + 1):

@@ -101,8 +101,9 @@ def main() -> None:
             inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
     timings = {"template": [], "bare": [], "data": []}
-    for run in range(args.repeats + 1):  # the first round warms up
-        for name, fn in (("template", template), ("bare", bare), ("data", data_only)):
+    order = [("template", template), ("bare", bare), ("data", data_only)]
+    for run in range(args.repeats + 1):  # the first round warms up; the order alternates so neither loop gains
+        for name, fn in order if run % 2 else order[::-1]:
             loader.sampler.set_epoch(run)
             sync(device)
             start = time.perf_counter()

@@ -161,7 +161,7 @@ def test_nonfinite_loss_stops_every_rank_and_keeps_the_last_good_weights(tmp_pat
     )
     assert result.returncode != 0 and "exitcode  : 3" in result.stderr
     line = next(line for line in result.stderr.splitlines() if line.startswith("error: non-finite loss or weights"))
-    assert "epoch 1, step" in line and "on rank" in line
+    assert "epoch 1, found at step" in line and "on rank" in line
     saved = checkpoint.load(tmp_path / "nan" / "last.pt")
     bad_step = int(line.split("step ")[1].split(",")[0])
     assert saved["global_step"] < bad_step
