@@ -273,6 +273,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="apex only where NVIDIA Apex's apex.amp imports",
     )
 
+    g = p.add_argument_group("variable batch size (a trace)")
+    g.add_argument(
+        "--batch-trace",
+        default=None,
+        metavar="FILE",
+        help="CSV `step,batchsize`: the global batch of every optimizer step (multiples of --batch-size)",
+    )
+    g.add_argument(
+        "--trace-end",
+        choices=("error", "repeat-last"),
+        default="error",
+        help="a trace shorter than the run: an error (default) or repeat its last batch size",
+    )
+    g.add_argument(
+        "--batch-lr-rule",
+        choices=("none", "linear", "root", "adascale"),
+        default="none",
+        help="LR of step i = LR x B_i / ref (linear), x sqrt of it (root), x AdaScale's gain",
+    )
+    g.add_argument(
+        "--ref-batch-size",
+        type=_positive_int,
+        default=None,
+        help="the batch the LR is given for (default: the trace's first batch size)",
+    )
+
     g = p.add_argument_group("early stopping")
     g.add_argument("--early-stop-patience", type=int, default=0, help="epochs without improvement (0: off)")
     g.add_argument("--early-stop-delta", type=float, default=0.0, help="smallest change that counts")
@@ -320,6 +346,13 @@ def check(cfg: argparse.Namespace) -> None:
         raise UserError(f"--trust-coefficient must be > 0, got {cfg.trust_coefficient}")
     if not 0.0 < cfg.plateau_factor < 1.0:
         raise UserError(f"--plateau-factor must be in (0, 1), got {cfg.plateau_factor}")
+    if cfg.batch_trace and (cfg.accum_steps > 1 or cfg.amp == "fp16" or cfg.checkpoint_every_steps):
+        raise UserError(
+            "--batch-trace sets the accumulation itself: drop --accum-steps, --amp fp16 "
+            "and --checkpoint-every-steps (a traced run checkpoints after each epoch)"
+        )
+    if cfg.batch_lr_rule != "none" and not cfg.batch_trace:
+        raise UserError("--batch-lr-rule needs --batch-trace FILE")
     if cfg.checkpoint_every_steps < 0:
         raise UserError(f"--checkpoint-every-steps must be >= 0, got {cfg.checkpoint_every_steps}")
     if cfg.early_stop_patience < 0:

@@ -41,6 +41,7 @@ class Training:
     skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
     criterion: nn.Module = field(init=False)
     epoch_loss: torch.Tensor | None = field(init=False, default=None)  # this rank's running loss of the epoch
+    lr_trace: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
 
     def __post_init__(self) -> None:
         self.criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=self.label_smoothing)
@@ -208,6 +209,8 @@ def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
 
 def optimizer_step(t: Training) -> None:
     """One optimizer step and one schedule step; an fp16 step the scaler skips does not advance the schedule."""
+    if t.schedule.warming_up or t.global_step % 10 == 0:
+        t.lr_trace.append((t.global_step + 1, t.optimizer.param_groups[0]["lr"]))  # a host float: no sync
     took_step = True
     if t.scaler is not None:
         if t.clip_grad_norm > 0:

@@ -16,8 +16,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
-def curves(run_dir: str | Path) -> Path:
-    """Write run_dir/curves.png: loss, accuracy and LR against epoch."""
+def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None, steps_per_epoch: int = 0) -> Path:
+    """Write run_dir/curves.png: loss, accuracy and LR against epoch (the LR per step too, when traced)."""
     rows = read_metrics(run_dir)
     epochs = [r["epoch"] for r in rows]
     fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(14, 4))
@@ -27,11 +27,13 @@ def curves(run_dir: str | Path) -> Path:
     ax_acc.plot(epochs, [100 * r["train_acc"] for r in rows], "o-", label="train")
     ax_acc.plot(epochs, [100 * r["val_acc"] for r in rows], "o-", label="validation")
     ax_acc.set(title="Accuracy", xlabel="epoch", ylabel="top-1 accuracy (%)")
-    ax_lr.plot(epochs, [r["lr"] for r in rows], "o-")
-    ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="learning rate")
-    for ax in (ax_loss, ax_acc):
-        ax.legend()
+    ax_lr.plot(epochs, [r["lr"] for r in rows], "o", label="end of epoch")
+    if lr_trace and steps_per_epoch:
+        ax_lr.plot([step / steps_per_epoch for step, _ in lr_trace], [lr for _, lr in lr_trace], "-", lw=1,
+                   label="per optimizer step")  # fmt: skip
+    ax_lr.set(title="Learning rate", xlabel="epoch", ylabel="learning rate")
     for ax in (ax_loss, ax_acc, ax_lr):
+        ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(Path(run_dir).name)
     fig.tight_layout()

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+import batch_trace
 import checkpoint
 import config
 import data
@@ -65,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         models.check_name(cfg.model)
         datasets = data.load(cfg)
         data.check_sizes(datasets, launch.world_size)
+        trace, trace_steps = batch_trace.check_run(cfg, len(datasets.train_set)) if cfg.batch_trace else (None, 0)
         resume_from = checkpoint.resume_path(cfg.resume, cfg.run_dir)
         state = checkpoint.load(resume_from) if resume_from else None
         check_run_dir_writable(Path(cfg.run_dir))
         dist = distributed.setup(launch, cfg.device, cfg.backend, cfg.dist_timeout)
-        return train(cfg, dist, datasets, state)
+        return train(cfg, dist, datasets, state, trace, trace_steps)
     except NonFiniteLoss as error:  # raised on every rank together
         if launch.rank == 0:
             print(f"error: {error}; last.pt keeps the last good weights. Lower --base-lr, add --clip-grad-norm, "
@@ -83,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         distributed.cleanup()
 
 
-def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, state: dict | None) -> int:
+def train(
+    cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, state: dict | None,
+    trace: list[int] | None = None, trace_steps: int = 0,
+) -> int:  # fmt: skip
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, dist.is_main)
 
@@ -111,6 +116,11 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
     train_loader = data.train_loader(cfg, datasets.train_set, dist.rank, dist.world_size, dist.device)
     val_loader = data.val_loader(cfg, datasets.val_set, dist.rank, dist.world_size, dist.device)
     steps_per_epoch = math.ceil(data.micro_batches_per_epoch(train_loader) / cfg.accum_steps)
+    adascale = None
+    if trace is not None:
+        steps_per_epoch = max(1, round(trace_steps / cfg.epochs))  # what the schedule counts epochs in
+        cfg.ref_batch_size = cfg.ref_batch_size or trace[0]
+        adascale = batch_trace.AdaScale() if cfg.batch_lr_rule == "adascale" else None
     training = Training(
         model=model,
         optimizer=optimizer,
@@ -178,15 +188,20 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
         training.epoch = epoch
 
         progress = progress_bar(cfg, dist, steps_per_epoch, f"epoch {epoch}/{cfg.epochs}")
-        result = train_one_epoch(
-            training,
-            train_loader,
-            progress,
-            cfg.log_interval,
-            first_step,
-            start_sums if first_step else None,
-            after_step,
-        )
+        if trace is not None:
+            result = batch_trace.train_trace_epoch(
+                training, datasets.train_set, trace, epoch, cfg, dist.rank, dist.world_size, adascale
+            )
+        else:
+            result = train_one_epoch(
+                training,
+                train_loader,
+                progress,
+                cfg.log_interval,
+                first_step,
+                start_sums if first_step else None,
+                after_step,
+            )
         if progress is not None:
             progress.close()
         if result is None:
@@ -221,7 +236,7 @@ def train(cfg: argparse.Namespace, dist: distributed.Dist, datasets: data.Data, 
             return PREEMPTED
 
     if dist.is_main:
-        plots.curves(run_dir)
+        plots.curves(run_dir, training.lr_trace, steps_per_epoch)
     log.info(
         "best validation accuracy %.2f%% (val loss %.4f); run folder: %s",
         100 * best["val_acc"],
@@ -282,7 +297,7 @@ def check_run_dir_writable(run_dir: Path) -> None:
 
 def wrap_model(cfg: argparse.Namespace, model: torch.nn.Module, dist: distributed.Dist) -> torch.nn.Module:
     """SyncBatchNorm and DDP in a distributed run; torch.compile on request."""
-    if dist.enabled:
+    if dist.enabled and not cfg.batch_trace:  # a traced run reduces its gradients itself (batch_trace.trace_step)
         if cfg.sync_bn:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = DistributedDataParallel(

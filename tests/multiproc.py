@@ -89,3 +89,10 @@ def python_run(args: list[str], timeout: float = 240, cwd: Path | None = None):
     """`python run.py ARGS` in one process."""
     cmd = [sys.executable, str(REPO / "run.py"), *args]
     return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def legacy_launch(args: list[str], cwd: Path | None = None, timeout: float = 240):
+    """`python -m torch.distributed.launch --nproc_per_node=2 --master_port=PORT run.py ARGS` (passes --local-rank)."""
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(REPO / "run.py"), *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from multiproc import REPO, free_port, python_run, torchrun
+from multiproc import REPO, legacy_launch, python_run, torchrun
 
 TIMING = {"epoch_seconds", "samples_per_second"}
 
@@ -64,24 +64,16 @@ def test_same_command_twice_gives_identical_metrics(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_legacy_launcher_passes_local_rank_flag(tmp_path):
-    import subprocess
-    import sys
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.launch",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(REPO / "run.py"),
-        "-n=legacy",
-        "--epochs",
-        "1",
-        "--runs-dir",
-        str(tmp_path),
-        "--no-progress",
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    result = legacy_launch(
+        [
+            "-n=legacy",
+            "--epochs",
+            "1",
+            "--runs-dir",
+            str(tmp_path),
+            "--no-progress",
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "legacy" / "config.json").read_text())["world_size"] == 2
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from multiproc import REPO, free_port, python_run, torchrun
+from multiproc import free_port, legacy_launch, python_run, torchrun
 from torch import nn
 
 import data
@@ -136,21 +136,14 @@ def test_lr_scaling_is_printed_and_stored(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_original_template_command_line_runs_unchanged(tmp_path):
-    import subprocess
-    import sys
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.launch",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(REPO / "run.py"),
-        "-n=DDP_warmup",
-        "--epochs",
-        "2",
-    ]
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    result = legacy_launch(
+        [
+            "-n=DDP_warmup",
+            "--epochs",
+            "2",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(_rows(tmp_path / "runs" / "DDP_warmup")) == 2
 

@@ -1,0 +1,245 @@
+"""Variable batch size from a trace: the global batch of every optimizer step comes from a CSV file (or a list),
+the step's samples are cut into micro-batches dealt round-robin to the ranks, and the update uses the exact
+mean gradient over the step's samples, with linear / root / AdaScale learning-rate rules.
+
+How an epoch is cut: step i takes the next B_i samples of the epoch's permutation (seeded by seed + epoch).
+A step that would run past the end of the epoch is not taken: the remaining samples (fewer than B_i) are left
+out of that epoch, and the next epoch starts with trace step i.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import UserError
+
+
+def load_trace(source: str | Path | list[int] | int) -> list[int]:
+    """Batch sizes by step from a CSV (`step,batchsize` or a single `batchsize` column), a list, or one int."""
+    if isinstance(source, int):
+        return [source]
+    if isinstance(source, (list, tuple)):
+        return [int(b) for b in source]
+    path = Path(source)
+    if not path.is_file():
+        raise UserError(f"--batch-trace {str(path)!r} does not exist: give a CSV with a header `step,batchsize`")
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows or "batchsize" not in [h.strip() for h in rows[0]]:
+        raise UserError(f"{str(path)!r} line 1: expected a header with a `batchsize` column (e.g. `step,batchsize`)")
+    column = [h.strip() for h in rows[0]].index("batchsize")
+    trace = []
+    for line, row in enumerate(rows[1:], start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        try:
+            trace.append(int(row[column]))
+        except (ValueError, IndexError):
+            raise UserError(f"{str(path)!r} line {line}: {','.join(row)!r} has no integer batch size") from None
+    if not trace:
+        raise UserError(f"{str(path)!r} has no rows: give one batch size per optimizer step")
+    return trace
+
+
+def check_trace(trace: list[int], micro_batch: int) -> None:
+    for step, batch in enumerate(trace):
+        if batch < 1 or batch % micro_batch:
+            raise UserError(
+                f"trace step {step}: batch size {batch} is not a positive multiple of the micro-batch "
+                f"(--batch-size {micro_batch})"
+            )
+
+
+def batch_at(trace: list[int], step: int, repeat_last: bool) -> int | None:
+    if step < len(trace):
+        return trace[step]
+    return trace[-1] if repeat_last else None
+
+
+def epoch_steps(
+    num_samples: int, trace: list[int], first_step: int, seed: int, epoch: int, repeat_last: bool
+) -> list[tuple[int, torch.Tensor]]:
+    """The epoch's steps: (trace step, the sample indices of its global batch)."""
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+    steps, position, step = [], 0, first_step
+    while True:
+        batch = batch_at(trace, step, repeat_last)
+        if batch is None or position + batch > num_samples:
+            return steps
+        steps.append((step, order[position : position + batch]))
+        position += batch
+        step += 1
+
+
+def steps_needed(num_samples: int, trace: list[int], epochs: int, seed: int) -> int:
+    """How many trace rows a run of `epochs` uses (each epoch as far as the trace, repeated last, reaches)."""
+    step = 0
+    for epoch in range(1, epochs + 1):
+        step += len(epoch_steps(num_samples, trace, step, seed, epoch, repeat_last=True))
+    return step
+
+
+def deal(indices: torch.Tensor, micro_batch: int, world_size: int, rank: int) -> list[torch.Tensor]:
+    """Cut a global batch into micro-batches and deal them round-robin: micro-batch j goes to rank j % world."""
+    chunks = indices.split(micro_batch)
+    return [chunk for j, chunk in enumerate(chunks) if j % world_size == rank]
+
+
+def lr_factor(rule: str, batch: int, ref_batch: int, gain: float = 1.0) -> float:
+    """LR_i = ref LR x B_i / ref (linear), x sqrt(B_i / ref) (root), x r (adascale), x 1 (none)."""
+    if rule == "linear":
+        return batch / ref_batch
+    if rule == "root":
+        return math.sqrt(batch / ref_batch)
+    if rule == "adascale":
+        return gain
+    return 1.0
+
+
+@dataclass
+class AdaScale:
+    """AdaScale's gain (Johnson et al., 2020) from the micro-batch gradients of a step, smoothed across steps.
+
+    With S micro-batch gradients g_j (each the mean over b samples) and their mean g:
+        sigma^2 = (sum_j ||g_j||^2 - S ||g||^2) / (S - 1)     (the micro-batch gradient variance, S >= 2)
+        mu^2    = ||g||^2 - sigma^2 / S                       (the squared norm of the true gradient)
+    both averaged with weight `theta` over steps; gain r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2).
+    A step with S = 1 cannot estimate the variance: it keeps the smoothed estimates (r from them, or 1).
+    """
+
+    theta: float = 0.9
+    sigma2: float | None = None
+    mu2: float | None = None
+    history: list = field(default_factory=list)
+
+    def update(self, sum_sq_norms: float, mean_sq_norm: float, count: int) -> float:
+        if count >= 2:
+            sigma2 = max((sum_sq_norms - count * mean_sq_norm) / (count - 1), 0.0)
+            mu2 = max(mean_sq_norm - sigma2 / count, 0.0)
+            if self.sigma2 is None:
+                self.sigma2, self.mu2 = sigma2, mu2
+            else:
+                self.sigma2 = self.theta * self.sigma2 + (1 - self.theta) * sigma2
+                self.mu2 = self.theta * self.mu2 + (1 - self.theta) * mu2
+        return self.gain(count)
+
+    def gain(self, count: int) -> float:
+        if self.sigma2 is None or self.sigma2 + self.mu2 <= 0:
+            return 1.0
+        return (self.sigma2 + self.mu2) / (self.sigma2 / count + self.mu2)
+
+    def state_dict(self) -> dict:
+        return {"theta": self.theta, "sigma2": self.sigma2, "mu2": self.mu2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.theta, self.sigma2, self.mu2 = state["theta"], state["sigma2"], state["mu2"]
+
+
+def fetch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch: one indexing operation for in-memory data, else the samples collated."""
+    if hasattr(dataset, "inputs"):
+        return dataset.__getitems__(indices.tolist())
+    return torch.utils.data.default_collate([dataset[i] for i in indices.tolist()])
+
+
+def _all_reduce_(tensors: list[torch.Tensor]) -> None:
+    if dist.is_available() and dist.is_initialized() and tensors:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+
+
+def trace_step(t, dataset, micro_batches: list[torch.Tensor], batch: int, micro_batch: int, rule: str,
+               ref_batch: int, adascale: AdaScale | None) -> dict:  # fmt: skip
+    """One optimizer step on a global batch of `batch` samples of which this rank holds `micro_batches`.
+
+    Each rank sums the gradients of its micro-batches' summed losses, divided by the global batch; one
+    all-reduce (every rank takes part, also one with no micro-batch, which adds exactly zero) gives the mean
+    gradient over all `batch` samples. The model must not be DDP-wrapped: this step does the reduction.
+    """
+    model, params = t.raw_model, [p for p in t.raw_model.parameters() if p.requires_grad]
+    model.train()
+    loss_total, correct, count = torch.zeros((), dtype=torch.float64, device=t.device), 0, 0
+    accumulated = [torch.zeros_like(p) for p in params]
+    sq_norms = torch.zeros((), dtype=torch.float64, device=t.device)
+    for indices in micro_batches:
+        inputs, targets = t.to_device(*fetch(dataset, indices))
+        with t.autocast():
+            outputs = model(inputs)
+            loss_sum = t.criterion(outputs.float(), targets)
+        (loss_sum / batch).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if adascale is not None:  # ||g_j||^2 of this micro-batch's mean gradient: (grad * batch / b)^2
+            scale = batch / len(indices)
+            sq_norms += sum(torch.sum((g.double() * scale) ** 2) for g in grads)
+        torch._foreach_add_(accumulated, grads)
+        for p in params:
+            p.grad = None
+        loss_total += loss_sum.detach()
+        correct += int((outputs.argmax(1) == targets).sum())
+        count += len(targets)
+    extras = [sq_norms.reshape(1)] if adascale is not None else []
+    _all_reduce_(accumulated + extras)
+    for p, g in zip(params, accumulated):
+        p.grad = g
+    gain = 1.0
+    if adascale is not None:
+        mean_sq = float(sum(torch.sum(g.double() ** 2) for g in accumulated))  # the one host sync of the step
+        gain = adascale.update(float(extras[0]), mean_sq, batch // micro_batch)
+    factor = lr_factor(rule, batch, ref_batch, gain)
+    base_lrs = [group["lr"] for group in t.optimizer.param_groups]
+    for group in t.optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    t.optimizer.step()
+    for group, lr in zip(t.optimizer.param_groups, base_lrs):
+        group["lr"] = lr  # the user's schedule keeps seeing (and stepping) the reference LR
+    t.optimizer.zero_grad(set_to_none=True)
+    if rule == "adascale":  # scale-invariant progress: the schedule advances by r
+        t.schedule.per_step.last_epoch += gain - 1
+    t.schedule.step()
+    t.global_step += 1
+    return {"loss_sum": loss_total, "correct": correct, "count": count, "gain": gain, "lr_factor": factor}
+
+
+def train_trace_epoch(t, dataset, trace: list[int], epoch: int, cfg, rank: int, world_size: int,
+                      adascale: AdaScale | None) -> dict:  # fmt: skip
+    """One epoch of trace steps (from trace step t.global_step on); the epoch's metrics reduced across ranks."""
+    import time
+
+    from distributed import all_reduce_sum
+
+    start = time.perf_counter()
+    sums = torch.zeros(3, dtype=torch.float64, device=t.device)
+    repeat_last = cfg.trace_end == "repeat-last"
+    for _, indices in epoch_steps(len(dataset), trace, t.global_step, cfg.seed, epoch, repeat_last):
+        mine = deal(indices, cfg.batch_size, world_size, rank)
+        out = trace_step(t, dataset, mine, len(indices), cfg.batch_size, cfg.batch_lr_rule, cfg.ref_batch_size,
+                         adascale)  # fmt: skip
+        sums += torch.stack([out["loss_sum"], torch.tensor(float(out["correct"]), device=t.device),
+                             torch.tensor(float(out["count"]), device=t.device)])  # fmt: skip
+    loss, correct, count = all_reduce_sum(sums).tolist()
+    seconds = time.perf_counter() - start
+    count = max(count, 1.0)
+    return {"train_loss": loss / count, "train_acc": correct / count, "samples_per_second": count / seconds,
+            "epoch_seconds": seconds, "skipped_steps": 0}  # fmt: skip
+
+
+def check_run(cfg, num_samples: int) -> tuple[list[int], int]:
+    """The trace for this run and how many steps the run takes; errors name the fix (before any group)."""
+    trace = load_trace(cfg.batch_trace)
+    check_trace(trace, cfg.batch_size)
+    needed = steps_needed(num_samples, trace, cfg.epochs, cfg.seed)
+    if needed == 0:
+        raise UserError(f"the trace's first batch ({trace[0]}) is larger than the {num_samples} training samples")
+    if cfg.trace_end == "error" and len(trace) < needed:
+        raise UserError(
+            f"the trace has {len(trace)} steps but {cfg.epochs} epochs need {needed}: "
+            "extend it, train fewer epochs, or pass --trace-end repeat-last"
+        )
+    return trace, needed

@@ -1,0 +1,202 @@
+"""Variable batch size from a trace: parsing, epoch cutting, exact gradients against a single process on
+1, 2 and 3 ranks (uneven splits, idle ranks), LR rules and AdaScale's gain by hand, run.py end to end."""
+
+import csv
+import math
+
+import pytest
+import torch
+from multiproc import REPO, run_ranks, torchrun
+from torch import nn
+
+import batch_trace
+import data
+import run
+import schedulers
+from engine import Training
+
+
+def test_trace_files_lists_and_ints(tmp_path):
+    (tmp_path / "a.csv").write_text("step,batchsize\n0,32\n1,64\n\n2,64\n")
+    (tmp_path / "b.csv").write_text("batchsize\n16\n")
+    assert batch_trace.load_trace(tmp_path / "a.csv") == [32, 64, 64]
+    assert batch_trace.load_trace(tmp_path / "b.csv") == [16]
+    assert batch_trace.load_trace([8, 16]) == [8, 16] and batch_trace.load_trace(32) == [32]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("step,size\n0,32\n", "line 1: expected a header with a `batchsize` column"),
+        ("step,batchsize\n0,32\n1,lots\n", "line 3: '1,lots' has no integer batch size"),
+        ("step,batchsize\n", "has no rows"),
+    ],
+)
+def test_malformed_traces_name_the_line(tmp_path, text, message):
+    (tmp_path / "t.csv").write_text(text)
+    with pytest.raises(batch_trace.UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        batch_trace.load_trace(tmp_path / "t.csv")
+
+
+def test_batch_sizes_must_be_multiples_of_the_micro_batch():
+    with pytest.raises(batch_trace.UserError, match="trace step 1: batch size 20 is not a positive multiple"):
+        batch_trace.check_trace([16, 20], 8)
+
+
+def test_too_short_a_trace_is_an_error_at_start_that_says_how_many_steps(tmp_path, capsys):
+    (tmp_path / "t.csv").write_text("batchsize\n" + "512\n" * 3)
+    code = run.main(["--batch-trace", str(tmp_path / "t.csv"), "--epochs", "2", "--runs-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "the trace has 3 steps but 2 epochs need 4" in err and "--trace-end repeat-last" in err
+
+
+def test_an_epoch_ends_before_a_step_that_would_straddle_it():
+    steps = batch_trace.epoch_steps(100, [40, 40, 40, 8], 0, seed=0, epoch=1, repeat_last=False)
+    assert [len(idx) for _, idx in steps] == [40, 40]  # a third 40 would pass the end: left for the next epoch
+    nxt = batch_trace.epoch_steps(100, [40, 40, 40, 8], 2, seed=0, epoch=2, repeat_last=False)
+    assert [step for step, _ in nxt] == [2, 3]
+    order = torch.cat([idx for _, idx in steps])
+    assert len(set(order.tolist())) == 80  # no sample twice within an epoch
+
+
+def test_micro_batches_are_dealt_round_robin():
+    dealt = [batch_trace.deal(torch.arange(40), 8, 3, r) for r in range(3)]
+    assert [[c[0].item() for c in d] for d in dealt] == [[0, 24], [8, 32], [16]]
+    assert batch_trace.deal(torch.arange(8), 8, 3, 2) == []  # an idle rank
+
+
+TRACE, MICRO = [24, 8, 40, 16], 8  # 3, 1, 5 and 2 micro-batches: uneven splits and idle ranks
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+
+def _trace_on_ranks(rank, world_size):
+    digits = data._digits()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    t = Training(model, opt, schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 0)), torch.device("cpu"))
+    history = []
+    for _, indices in batch_trace.epoch_steps(len(digits.train_set), TRACE, 0, 0, 1, False):
+        mine = batch_trace.deal(indices, MICRO, world_size, rank)
+        batch_trace.trace_step(t, digits.train_set, mine, len(indices), MICRO, "none", 8, None)
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_step_uses_the_exact_mean_gradient_of_its_global_batch(world_size):
+    results = run_ranks(_trace_on_ranks, world_size)
+    # Ground truth, one process: w <- w - 1.0 * grad(mean cross-entropy over the step's B_i samples).
+    digits = data._digits()
+    model = _model()
+    for step, (_, indices) in enumerate(batch_trace.epoch_steps(len(digits.train_set), TRACE, 0, 0, 1, False)):
+        x, y = digits.train_set.inputs[indices], digits.train_set.targets[indices]
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad
+        for history in results:
+            for ours, truth in zip(history[step], model.parameters()):
+                assert (ours - truth).abs().max().item() <= 1e-5
+    assert len(results[0]) == 4
+
+
+def test_lr_rules_by_hand():
+    assert batch_trace.lr_factor("none", 128, 32) == 1.0
+    assert batch_trace.lr_factor("linear", 128, 32) == 4.0
+    assert batch_trace.lr_factor("root", 128, 32) == 2.0
+    assert batch_trace.lr_factor("adascale", 128, 32, gain=3.5) == 3.5
+
+
+def test_the_schedule_keeps_the_reference_lr_and_the_step_uses_the_scaled_one():
+    digits = data._digits()
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = Training(model, opt, schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 0)), torch.device("cpu"))
+    idx = torch.arange(32)
+    batch_trace.trace_step(t, digits.train_set, list(idx.split(8)), 32, 8, "linear", 8, None)
+    assert opt.param_groups[0]["lr"] == 0.1  # the reference LR, as the user's schedule set it
+    x, y = digits.train_set.inputs[idx], digits.train_set.targets[idx]
+    ref = _model()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    for p, b, r in zip(model.parameters(), before, ref.parameters()):
+        assert torch.allclose(p, b - 0.4 * r.grad, atol=1e-6)  # 0.1 x 32/8
+
+
+def test_adascale_gain_on_a_case_with_known_variance():
+    # Four micro-batch gradients around a mean of (2, 2): deviations (+-1, 0) and (0, +-1).
+    gradients = [torch.tensor(v) for v in ([3.0, 2.0], [1.0, 2.0], [2.0, 3.0], [2.0, 1.0])]
+    mean = sum(gradients) / 4
+    sum_sq = sum(float(g @ g) for g in gradients)
+    sigma2 = (sum_sq - 4 * float(mean @ mean)) / 3  # = 4/3: the deviations' squared norms (1 each) x 4 / 3
+    mu2 = float(mean @ mean) - sigma2 / 4  # = 8 - 1/3
+    ada = batch_trace.AdaScale(theta=0.0)
+    gain = ada.update(sum_sq, float(mean @ mean), 4)
+    assert sigma2 == pytest.approx(4 / 3) and gain == pytest.approx((sigma2 + mu2) / (sigma2 / 4 + mu2))
+    assert 1.0 < gain < 4.0
+    assert batch_trace.AdaScale().update(5.0, 5.0, 1) == 1.0  # S = 1: no estimate yet, gain 1, no division by 0
+    assert ada.update(25.0, 25.0, 1) == 1.0  # S = 1 keeps the smoothed estimates: (s + m) / (s / 1 + m) = 1
+    restored = batch_trace.AdaScale()
+    restored.load_state_dict(ada.state_dict())
+    assert restored.gain(4) == pytest.approx(gain)
+
+
+def _adascale_on_ranks(rank, world_size):
+    digits = data._digits()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    t = Training(model, opt, schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 100, "cosine")), torch.device("cpu"))
+    ada = batch_trace.AdaScale()
+    gains = []
+    for _, indices in batch_trace.epoch_steps(len(digits.train_set), [64, 8, 64], 0, 0, 1, False):
+        out = batch_trace.trace_step(
+            t, digits.train_set, batch_trace.deal(indices, 8, world_size, rank), len(indices), 8, "adascale", 8, ada
+        )
+        gains.append(out["gain"])
+    return gains, t.schedule.per_step.last_epoch
+
+
+def test_adascale_runs_on_two_ranks_with_the_same_gain_and_scale_invariant_progress():
+    (gains0, progress0), (gains1, progress1) = run_ranks(_adascale_on_ranks, 2)
+    assert gains0 == gains1 and gains0[0] > 1.0 and gains0[1] == pytest.approx(1.0)
+    assert progress0 == pytest.approx(sum(gains0))  # the schedule advanced by r per step
+
+
+@pytest.mark.timeout(400)
+def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
+    trace = str(REPO / "examples" / "traces" / "doubling.csv")
+    flags = [
+        "--batch-trace",
+        trace,
+        "--batch-size",
+        "16",
+        "--batch-lr-rule",
+        "linear",
+        "--no-progress",
+        "--runs-dir",
+        str(tmp_path),
+    ]
+    full = torchrun([*flags, "--epochs", "4", "-n", "full"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    part = torchrun([*flags, "--epochs", "2", "-n", "part"])
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = torchrun([*flags, "--epochs", "4", "-n", "part", "--resume", "auto"])
+    assert rest.returncode == 0, rest.stderr[-3000:]
+
+    def rows(name):
+        with open(tmp_path / name / "metrics.csv", newline="") as f:
+            return [
+                {k: v for k, v in r.items() if k not in ("epoch_seconds", "samples_per_second")}
+                for r in csv.DictReader(f)
+            ]
+
+    assert rows("full") == rows("part") and [r["step"] for r in rows("full")] == ["44", "66", "77", "82"]
+    a = torch.load(tmp_path / "full" / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "part" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not math.isnan(float(rows("full")[-1]["val_loss"]))
