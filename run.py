@@ -156,7 +156,7 @@ def train(
 
     if cfg.plot_lr:
         if dist.is_main:
-            path = preview_lr(cfg, steps_per_epoch, run_dir)
+            path = preview_lr(cfg, steps_per_epoch, run_dir, trace, trace_steps)
             log.info("learning-rate schedule: %s", path)
         return 0
 
@@ -246,13 +246,22 @@ def train(
     return 0
 
 
-def preview_lr(cfg: argparse.Namespace, steps_per_epoch: int, run_dir: Path) -> Path:
-    """Step a copy of the run's schedule over the whole run, on a throwaway optimizer; draw it, list it."""
+def preview_lr(
+    cfg: argparse.Namespace, steps_per_epoch: int, run_dir: Path, trace: list[int] | None = None, trace_steps: int = 0
+) -> Path:
+    """Step a copy of the run's schedule over the whole run, on a throwaway optimizer; draw it, list it.
+
+    With a batch trace, each step's LR includes the linear/root rule for that step's batch size.
+    """
     probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.effective_lr)
     schedule = schedulers.build(cfg, probe, steps_per_epoch)
     lrs = []
-    for _ in range(cfg.epochs * steps_per_epoch):
-        lrs.append(probe.param_groups[0]["lr"])
+    for step in range(trace_steps if trace else cfg.epochs * steps_per_epoch):
+        factor = 1.0
+        if trace and cfg.batch_lr_rule in ("linear", "root"):
+            batch = batch_trace.batch_at(trace, step, repeat_last=True)
+            factor = batch_trace.lr_factor(cfg.batch_lr_rule, batch, cfg.ref_batch_size)
+        lrs.append(probe.param_groups[0]["lr"] * factor)
         probe.step()
         schedule.step()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -262,6 +271,10 @@ def preview_lr(cfg: argparse.Namespace, steps_per_epoch: int, run_dir: Path) -> 
         writer.writerows(enumerate(lrs, start=1))
     kind = schedulers.decay_kind(cfg)
     note = " (plateau cuts depend on the validation loss: not shown)" if kind == "plateau" else ""
+    if trace:
+        note += f", batch trace with the {cfg.batch_lr_rule} rule" + (
+            " (AdaScale's gain depends on the gradients: not shown)" if cfg.batch_lr_rule == "adascale" else ""
+        )
     title = (f"{kind} after {cfg.warmup_epochs:g} warmup epochs, LR {cfg.effective_lr:.4g} "
              f"(--lr-scaling {cfg.lr_scaling}, global batch {cfg.global_batch_size}){note}")  # fmt: skip
     return plots.lr_schedule(lrs, steps_per_epoch, run_dir / "lr_schedule.png", title)

@@ -200,3 +200,91 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
     b = torch.load(tmp_path / "part" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not math.isnan(float(rows("full")[-1]["val_loss"]))
+
+
+def _original_loop(rank, world_size, rule="none", stop_after=None, resume=None):
+    """The original project's loop: a plain model, optimizer.step() after every backward."""
+    digits = data._digits()
+    model = _model()
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+    sampler = batch_trace.CustomSampler(digits.train_set, TRACE + [16] * 200, world_size, rank, MICRO, seed=0)
+    cls = {
+        "none": batch_trace._TraceRuleOptimizer,
+        "linear": batch_trace.LinearRuleOptimizer,
+        "adascale": batch_trace.AdaScaleOptimizer,
+    }[rule]
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), sampler, ref_batchsize=8)
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+    loader = torch.utils.data.DataLoader(digits.train_set, batch_sampler=sampler, collate_fn=data._batch_as_is)
+    history, updates = [], 0
+    for epoch in range(resume["epoch"] if resume else 0, 2):
+        opt.set_epoch(epoch)
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            if opt.step():
+                updates += 1
+                history.append([p.detach().clone() for p in model.parameters()])
+                if stop_after is not None and updates == stop_after:
+                    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}
+    return history
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_original_api_gives_exact_gradients_with_placeholders(world_size):
+    results = run_ranks(_original_loop, world_size)
+    digits = data._digits()
+    model = _model()
+    steps = batch_trace.epoch_steps(len(digits.train_set), TRACE + [16] * 200, 0, 0, 0, True)
+    for step, (_, indices) in enumerate(steps[:4]):
+        x, y = digits.train_set.inputs[indices], digits.train_set.targets[indices]
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad
+        for history in results:
+            for ours, truth in zip(history[step], model.parameters()):
+                assert (ours - truth).abs().max().item() <= 1e-5
+    assert len(results[0]) == len(results[-1]) > 4
+
+
+def test_original_api_state_dict_resumes_exactly_mid_epoch():
+    full = _original_loop(0, 1, rule="adascale")
+    # epoch 0 has 4 + 84 steps: 90 updates is 2 steps into epoch 1
+    saved = _original_loop(0, 1, rule="adascale", stop_after=90)
+    assert saved["epoch"] == 1
+    rest = _original_loop(0, 1, rule="adascale", resume=saved)
+    assert len(full) == 90 + len(rest)
+    assert all(torch.equal(a, b) for a, b in zip(full[-1], rest[-1]))
+
+
+def test_plot_lr_shows_the_trace_rule(tmp_path):
+    trace = str(REPO / "examples" / "traces" / "doubling.csv")
+    assert (
+        run.main(
+            [
+                "--plot-lr",
+                "--batch-trace",
+                trace,
+                "--batch-size",
+                "16",
+                "--batch-lr-rule",
+                "linear",
+                "--epochs",
+                "5",
+                "-n",
+                "p",
+                "--runs-dir",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    with open(tmp_path / "p" / "lr_schedule.csv", newline="") as f:
+        lrs = [float(r["lr"]) for r in csv.DictReader(f)]
+    # 44 steps of 32, then 64, 128, 256, 512; reference batch = the first (32); LR 0.05 x B_i / 32
+    assert len(lrs) == 84 and lrs[0] == pytest.approx(0.05) and lrs[44] == pytest.approx(0.1)
+    assert lrs[-1] == pytest.approx(0.05 * 512 / 32)
