@@ -165,7 +165,9 @@ def trace_step(t, dataset, micro_batches: list[torch.Tensor], batch: int, micro_
     """
     model, params = t.raw_model, [p for p in t.raw_model.parameters() if p.requires_grad]
     model.train()
-    loss_total, correct, count = torch.zeros((), dtype=torch.float64, device=t.device), 0, 0
+    loss_total = torch.zeros((), dtype=torch.float64, device=t.device)
+    correct = torch.zeros((), dtype=torch.float64, device=t.device)
+    count = 0
     accumulated = [torch.zeros_like(p) for p in params]
     sq_norms = torch.zeros((), dtype=torch.float64, device=t.device)
     for indices in micro_batches:
@@ -182,7 +184,7 @@ def trace_step(t, dataset, micro_batches: list[torch.Tensor], batch: int, micro_
         for p in params:
             p.grad = None
         loss_total += loss_sum.detach()
-        correct += int((outputs.argmax(1) == targets).sum())
+        correct += (outputs.argmax(1) == targets).sum()
         count += len(targets)
     extras = [sq_norms.reshape(1)] if adascale is not None else []
     _all_reduce_(accumulated + extras)
@@ -190,8 +192,9 @@ def trace_step(t, dataset, micro_batches: list[torch.Tensor], batch: int, micro_
         p.grad = g
     gain = 1.0
     if adascale is not None:
-        mean_sq = float(sum(torch.sum(g.double() ** 2) for g in accumulated))  # the one host sync of the step
-        gain = adascale.update(float(extras[0]), mean_sq, batch // micro_batch)
+        mean_sq = sum(torch.sum(g.double() ** 2) for g in accumulated)
+        sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
+        gain = adascale.update(sum_sq, mean_sq, batch // micro_batch)
     factor = lr_factor(rule, batch, ref_batch, gain)
     base_lrs = [group["lr"] for group in t.optimizer.param_groups]
     for group in t.optimizer.param_groups:
@@ -221,8 +224,9 @@ def train_trace_epoch(t, dataset, trace: list[int], epoch: int, cfg, rank: int, 
         mine = deal(indices, cfg.batch_size, world_size, rank)
         out = trace_step(t, dataset, mine, len(indices), cfg.batch_size, cfg.batch_lr_rule, cfg.ref_batch_size,
                          adascale)  # fmt: skip
-        sums += torch.stack([out["loss_sum"], torch.tensor(float(out["correct"]), device=t.device),
-                             torch.tensor(float(out["count"]), device=t.device)])  # fmt: skip
+        sums[0] += out["loss_sum"]
+        sums[1] += out["correct"]
+        sums[2] += out["count"]
     loss, correct, count = all_reduce_sum(sums).tolist()
     seconds = time.perf_counter() - start
     count = max(count, 1.0)
@@ -340,7 +344,7 @@ class _TraceRuleOptimizer:
         self._entries = sampler.plan()[1]
         self._cursor = 0
         self._accumulated: list[torch.Tensor] | None = None
-        self._sq_norms = 0.0
+        self._sq_norms: torch.Tensor | float = 0.0
         self.gain = 1.0
 
     @property
@@ -370,19 +374,21 @@ class _TraceRuleOptimizer:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             torch._foreach_add_(self._accumulated, grads, alpha=entry.size / entry.batch)
             if self.adascale is not None:
-                self._sq_norms += float(sum(torch.sum(g.double() ** 2) for g in grads))
+                self._sq_norms = self._sq_norms + sum(torch.sum(g.double() ** 2) for g in grads)
         for p in params:
             p.grad = None
         if not entry.last:
             return False
-        extras = [torch.tensor([self._sq_norms], dtype=torch.float64)] if self.adascale is not None else []
+        sq = torch.as_tensor(self._sq_norms, dtype=torch.float64, device=params[0].device).reshape(1)
+        extras = [sq] if self.adascale is not None else []
         _all_reduce_(self._accumulated)
         _all_reduce_(extras)
         for p, g in zip(params, self._accumulated):
             p.grad = g
         if self.adascale is not None:
-            mean_sq = float(sum(torch.sum(g.double() ** 2) for g in self._accumulated))
-            self.gain = self.adascale.update(float(extras[0]), mean_sq, entry.batch // self.sampler.minibatch_size)
+            mean_sq = sum(torch.sum(g.double() ** 2) for g in self._accumulated)
+            sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
+            self.gain = self.adascale.update(sum_sq, mean_sq, entry.batch // self.sampler.minibatch_size)
         factor = lr_factor(self.rule, entry.batch, self.ref_batchsize, self.gain)
         base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:

@@ -136,11 +136,6 @@ def any_rank(flag: bool, device: torch.device, group=None) -> bool:
     return bool(value.item() > 0)
 
 
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
     """Give every rank rank `src`'s buffers (BatchNorm running statistics), so all hold the same model."""
     if dist.is_available() and dist.is_initialized():

@@ -35,6 +35,7 @@ class Training:
     label_smoothing: float = 0.0
     channels_last: bool = False
     apex_amp: object | None = None  # NVIDIA Apex's amp module, when --amp-backend apex
+    adascale: object | None = None  # batch_trace.AdaScale, with --batch-lr-rule adascale
     on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
     epoch: int = 0
     global_step: int = 0  # optimizer steps taken or skipped, over the whole run

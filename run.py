@@ -110,17 +110,14 @@ def train(
         from apex import amp as apex_amp
 
         model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O1")
-    model = wrap_model(cfg, model, dist)
-    torch.manual_seed(cfg.seed + dist.rank)  # augmentation and dropout differ between ranks
+    model = wrap_model(cfg, model, dist)  # each epoch's randomness: data.start_epoch, from (seed, rank, epoch)
 
     train_loader = data.train_loader(cfg, datasets.train_set, dist.rank, dist.world_size, dist.device)
     val_loader = data.val_loader(cfg, datasets.val_set, dist.rank, dist.world_size, dist.device)
     steps_per_epoch = math.ceil(data.micro_batches_per_epoch(train_loader) / cfg.accum_steps)
-    adascale = None
     if trace is not None:
         steps_per_epoch = max(1, round(trace_steps / cfg.epochs))  # what the schedule counts epochs in
         cfg.ref_batch_size = cfg.ref_batch_size or trace[0]
-        adascale = batch_trace.AdaScale() if cfg.batch_lr_rule == "adascale" else None
     training = Training(
         model=model,
         optimizer=optimizer,
@@ -134,6 +131,7 @@ def train(
         label_smoothing=cfg.label_smoothing,
         channels_last=cfg.channels_last,
         on_nonfinite=cfg.on_nonfinite,
+        adascale=batch_trace.AdaScale() if cfg.batch_lr_rule == "adascale" else None,
     )
     early_stopping = (
         EarlyStopping(cfg.early_stop_patience, delta=cfg.early_stop_delta) if cfg.early_stop_patience else None
@@ -190,7 +188,7 @@ def train(
         progress = progress_bar(cfg, dist, steps_per_epoch, f"epoch {epoch}/{cfg.epochs}")
         if trace is not None:
             result = batch_trace.train_trace_epoch(
-                training, datasets.train_set, trace, epoch, cfg, dist.rank, dist.world_size, adascale
+                training, datasets.train_set, trace, epoch, cfg, dist.rank, dist.world_size, training.adascale
             )
         else:
             result = train_one_epoch(
@@ -414,6 +412,7 @@ def save_last(
         "schedule": training.schedule.state_dict(),
         "scaler": training.scaler.state_dict() if training.scaler is not None else None,
         "early_stopping": early_stopping.state_dict() if early_stopping is not None else None,
+        "adascale": training.adascale.state_dict() if training.adascale is not None else None,
         "epoch": next_epoch - 1,  # epochs completed
         "step_in_epoch": step_in_epoch,  # optimizer steps already taken in epoch `epoch + 1`
         "epoch_sums": all_sums,  # each rank's running (loss, correct, samples) of that epoch, mid-epoch only
@@ -502,6 +501,8 @@ def restore(
         training.scaler.load_state_dict(state["scaler"])
     if early_stopping is not None and state.get("early_stopping"):
         early_stopping.load_state_dict(state["early_stopping"])
+    if training.adascale is not None and state.get("adascale"):
+        training.adascale.load_state_dict(state["adascale"])
     training.global_step = state["global_step"]
     training.skipped_steps = state.get("skipped_steps", 0)
     best.update(state["best"])

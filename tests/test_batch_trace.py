@@ -176,7 +176,7 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
         "--batch-size",
         "16",
         "--batch-lr-rule",
-        "linear",
+        "adascale",  # its smoothed estimates must come back from the checkpoint too
         "--no-progress",
         "--runs-dir",
         str(tmp_path),
