@@ -86,13 +86,11 @@ def _trace_on_ranks(rank, world_size):
     return history
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_each_step_uses_the_exact_mean_gradient_of_its_global_batch(world_size):
-    results = run_ranks(_trace_on_ranks, world_size)
-    # Ground truth, one process: w <- w - 1.0 * grad(mean cross-entropy over the step's B_i samples).
+def assert_each_step_matches_one_process(results, steps):
+    """Ground truth, one process: w <- w - 1.0 * grad(mean cross-entropy over the step's B_i samples)."""
     digits = data._digits()
     model = _model()
-    for step, (_, indices) in enumerate(batch_trace.epoch_steps(len(digits.train_set), TRACE, 0, 0, 1, False)):
+    for step, (_, indices) in enumerate(steps):
         x, y = digits.train_set.inputs[indices], digits.train_set.targets[indices]
         model.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -102,6 +100,13 @@ def test_each_step_uses_the_exact_mean_gradient_of_its_global_batch(world_size):
         for history in results:
             for ours, truth in zip(history[step], model.parameters()):
                 assert (ours - truth).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_step_uses_the_exact_mean_gradient_of_its_global_batch(world_size):
+    results = run_ranks(_trace_on_ranks, world_size)
+    steps = batch_trace.epoch_steps(len(data._digits().train_set), TRACE, 0, 0, 1, False)
+    assert_each_step_matches_one_process(results, steps)
     assert len(results[0]) == 4
 
 
@@ -234,19 +239,8 @@ def _original_loop(rank, world_size, rule="none", stop_after=None, resume=None):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_original_api_gives_exact_gradients_with_placeholders(world_size):
     results = run_ranks(_original_loop, world_size)
-    digits = data._digits()
-    model = _model()
-    steps = batch_trace.epoch_steps(len(digits.train_set), TRACE + [16] * 200, 0, 0, 0, True)
-    for step, (_, indices) in enumerate(steps[:4]):
-        x, y = digits.train_set.inputs[indices], digits.train_set.targets[indices]
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= p.grad
-        for history in results:
-            for ours, truth in zip(history[step], model.parameters()):
-                assert (ours - truth).abs().max().item() <= 1e-5
+    steps = batch_trace.epoch_steps(len(data._digits().train_set), TRACE + [16] * 200, 0, 0, 0, True)
+    assert_each_step_matches_one_process(results, steps[:4])
     assert len(results[0]) == len(results[-1]) > 4
 
 
