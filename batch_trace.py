@@ -155,6 +155,32 @@ def _all_reduce_(tensors: list[torch.Tensor]) -> None:
         torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
 
+def reduce_and_update(optimizer, params, accumulated, sq_norms, adascale: AdaScale | None, rule: str, batch: int,
+                      micro_batches: int, ref_batch: int) -> tuple[float, float]:  # fmt: skip
+    """The end of a trace step, on every rank: one all-reduce of this rank's share of the mean gradient (and of
+    the micro-batch gradients' squared norms for AdaScale), then one update at LR x the rule's factor, after
+    which the groups get their reference LR back. Returns (AdaScale gain or 1, LR factor)."""
+    sq = torch.as_tensor(sq_norms, dtype=torch.float64, device=params[0].device).reshape(1)
+    extras = [sq] if adascale is not None else []
+    _all_reduce_(accumulated + extras)
+    for p, g in zip(params, accumulated):
+        p.grad = g
+    gain = 1.0
+    if adascale is not None:
+        mean_sq = sum(torch.sum(g.double() ** 2) for g in accumulated)
+        sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
+        gain = adascale.update(sum_sq, mean_sq, micro_batches)
+    factor = lr_factor(rule, batch, ref_batch, gain)
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = lr  # the user's schedule keeps seeing (and stepping) the reference LR
+    optimizer.zero_grad(set_to_none=True)
+    return gain, factor
+
+
 def trace_step(t, dataset, micro_batches: list[torch.Tensor], batch: int, micro_batch: int, rule: str,
                ref_batch: int, adascale: AdaScale | None) -> dict:  # fmt: skip
     """One optimizer step on a global batch of `batch` samples of which this rank holds `micro_batches`.
@@ -186,23 +212,8 @@ def trace_step(t, dataset, micro_batches: list[torch.Tensor], batch: int, micro_
         loss_total += loss_sum.detach()
         correct += (outputs.argmax(1) == targets).sum()
         count += len(targets)
-    extras = [sq_norms.reshape(1)] if adascale is not None else []
-    _all_reduce_(accumulated + extras)
-    for p, g in zip(params, accumulated):
-        p.grad = g
-    gain = 1.0
-    if adascale is not None:
-        mean_sq = sum(torch.sum(g.double() ** 2) for g in accumulated)
-        sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
-        gain = adascale.update(sum_sq, mean_sq, batch // micro_batch)
-    factor = lr_factor(rule, batch, ref_batch, gain)
-    base_lrs = [group["lr"] for group in t.optimizer.param_groups]
-    for group in t.optimizer.param_groups:
-        group["lr"] = group["lr"] * factor
-    t.optimizer.step()
-    for group, lr in zip(t.optimizer.param_groups, base_lrs):
-        group["lr"] = lr  # the user's schedule keeps seeing (and stepping) the reference LR
-    t.optimizer.zero_grad(set_to_none=True)
+    gain, factor = reduce_and_update(t.optimizer, params, accumulated, sq_norms, adascale, rule, batch,
+                                     batch // micro_batch, ref_batch)  # fmt: skip
     if rule == "adascale":  # scale-invariant progress: the schedule advances by r
         t.schedule.per_step.last_epoch += gain - 1
     t.schedule.step()
@@ -216,6 +227,7 @@ def train_trace_epoch(t, dataset, trace: list[int], epoch: int, cfg, rank: int, 
     import time
 
     from distributed import all_reduce_sum
+    from engine import epoch_metrics
 
     start = time.perf_counter()
     sums = torch.zeros(3, dtype=torch.float64, device=t.device)
@@ -227,11 +239,7 @@ def train_trace_epoch(t, dataset, trace: list[int], epoch: int, cfg, rank: int, 
         sums[0] += out["loss_sum"]
         sums[1] += out["correct"]
         sums[2] += out["count"]
-    loss, correct, count = all_reduce_sum(sums).tolist()
-    seconds = time.perf_counter() - start
-    count = max(count, 1.0)
-    return {"train_loss": loss / count, "train_acc": correct / count, "samples_per_second": count / seconds,
-            "epoch_seconds": seconds, "skipped_steps": 0}  # fmt: skip
+    return epoch_metrics(all_reduce_sum(sums), time.perf_counter() - start, skipped_steps=0)
 
 
 def check_run(cfg, num_samples: int) -> tuple[list[int], int]:
@@ -379,24 +387,10 @@ class _TraceRuleOptimizer:
             p.grad = None
         if not entry.last:
             return False
-        sq = torch.as_tensor(self._sq_norms, dtype=torch.float64, device=params[0].device).reshape(1)
-        extras = [sq] if self.adascale is not None else []
-        _all_reduce_(self._accumulated)
-        _all_reduce_(extras)
-        for p, g in zip(params, self._accumulated):
-            p.grad = g
-        if self.adascale is not None:
-            mean_sq = sum(torch.sum(g.double() ** 2) for g in self._accumulated)
-            sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
-            self.gain = self.adascale.update(sum_sq, mean_sq, entry.batch // self.sampler.minibatch_size)
-        factor = lr_factor(self.rule, entry.batch, self.ref_batchsize, self.gain)
-        base_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-        self.optimizer.step()
-        for group, lr in zip(self.optimizer.param_groups, base_lrs):
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self.gain, _ = reduce_and_update(
+            self.optimizer, params, self._accumulated, self._sq_norms, self.adascale, self.rule, entry.batch,
+            entry.batch // self.sampler.minibatch_size, self.ref_batchsize,
+        )  # fmt: skip
         self._accumulated = None
         self._sq_norms = 0.0
         return True

@@ -106,12 +106,8 @@ def _standardised(images: torch.Tensor, mean: float, std: float) -> torch.Tensor
     return ((images - mean) / std).contiguous()
 
 
-def _digits() -> Data:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    targets = torch.tensor(bunch.target, dtype=torch.long)
+def _split_in_memory(images: torch.Tensor, targets: torch.Tensor, in_channels: int, image_size: int) -> Data:
+    """Split 80/20 into train/val by a fixed seed, standardised with the training part's mean and std."""
     order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
     n_val = int(round(len(targets) * DIGITS_VAL_FRACTION))
     val_idx, train_idx = order[:n_val], order[n_val:]
@@ -121,9 +117,17 @@ def _digits() -> Data:
         InMemoryDataset(images[train_idx], targets[train_idx]),
         InMemoryDataset(images[val_idx], targets[val_idx]),
         num_classes=10,
-        in_channels=1,
-        image_size=8,
+        in_channels=in_channels,
+        image_size=image_size,
     )
+
+
+def _digits() -> Data:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return _split_in_memory(images, torch.tensor(bunch.target, dtype=torch.long), in_channels=1, image_size=8)
 
 
 def read_idx(path: Path) -> torch.Tensor:
@@ -150,13 +154,7 @@ def _mnist_idx(cfg: argparse.Namespace) -> Data:
             f"no MNIST IDX files (*images-idx3-ubyte[.gz], *labels-idx1-ubyte[.gz]) in --data-root {str(root)!r}"
         )
     x = read_idx(images[0]).float().unsqueeze(1) / 255.0
-    y = read_idx(labels[0]).long()
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
-    n_val = int(round(len(y) * DIGITS_VAL_FRACTION))
-    val_idx, train_idx = order[:n_val], order[n_val:]
-    mean, std = x[train_idx].mean().item(), x[train_idx].std().item()
-    x = _standardised(x, mean, std)
-    return Data(InMemoryDataset(x[train_idx], y[train_idx]), InMemoryDataset(x[val_idx], y[val_idx]), 10, 1, 28)
+    return _split_in_memory(x, read_idx(labels[0]).long(), in_channels=1, image_size=28)
 
 
 def _missing(cfg: argparse.Namespace, what: str) -> UserError:
@@ -277,7 +275,3 @@ def val_loader(
     return DataLoader(
         dataset, batch_size=cfg.val_batch_size, sampler=sampler, **_loader_options(cfg, dataset, device, cfg.seed)
     )
-
-
-def micro_batches_per_epoch(loader: DataLoader) -> int:
-    return math.ceil(len(loader.sampler) / loader.batch_size)

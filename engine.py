@@ -175,15 +175,19 @@ def train_one_epoch(
     if progress is not None:
         progress.update(steps - progress.n)
     raise_if_nonfinite(t)
-    sums = all_reduce_sum(current_sums())
+    return epoch_metrics(all_reduce_sum(current_sums()), time.perf_counter() - start, t.skipped_steps - skipped_before)
+
+
+def epoch_metrics(sums: torch.Tensor, seconds: float, skipped_steps: int) -> dict[str, float]:
+    """A training epoch's row from its (loss, correct, samples) sums, already reduced across ranks."""
     loss, correct, count = sums.tolist()
-    seconds = time.perf_counter() - start
+    count = max(count, 1.0)  # an epoch with no step left (resumed at its very end) has no samples
     return {
         "train_loss": loss / count,
         "train_acc": correct / count,
         "samples_per_second": count / seconds,
         "epoch_seconds": seconds,
-        "skipped_steps": t.skipped_steps - skipped_before,
+        "skipped_steps": skipped_steps,
     }
 
 

@@ -114,7 +114,7 @@ def train(
 
     train_loader = data.train_loader(cfg, datasets.train_set, dist.rank, dist.world_size, dist.device)
     val_loader = data.val_loader(cfg, datasets.val_set, dist.rank, dist.world_size, dist.device)
-    steps_per_epoch = math.ceil(data.micro_batches_per_epoch(train_loader) / cfg.accum_steps)
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
     if trace is not None:
         steps_per_epoch = max(1, round(trace_steps / cfg.epochs))  # what the schedule counts epochs in
         cfg.ref_batch_size = cfg.ref_batch_size or trace[0]
