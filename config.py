@@ -1,22 +1,34 @@
 """The command line: flags grouped by trick, the original projects' aliases, and checks of combinations.
 
-`parse(argv)` returns a validated `argparse.Namespace`; a user mistake raises `UserError` (one sentence).
+`parse(argv)` loads the task the flags name (`--task`), adds its own flags, and returns the validated
+`argparse.Namespace` and the task class; a user mistake raises `UserError` (one sentence). No torch import here:
+`--help` and flag errors answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "imagefolder", "mnist-idx")
+DEFAULT_TASK = "task.py:Task"
+TASK_NEEDS = ("datasets", "model", "loss")
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 SCHEDULERS = ("constant", "plateau", "poly", "cosine", "step")
 
 
 class UserError(Exception):
-    """A mistake in what the user asked for: run.py prints it as one line and exits with code 2."""
+    """A mistake in what the user asked for: run.py prints it as one line and exits with code 2.
+
+    `rank_specific`: only this process is affected (say, its GPU), so it prints even when it is not rank 0.
+    """
+
+    def __init__(self, message: str, rank_specific: bool = False):
+        super().__init__(message)
+        self.rank_specific = rank_specific
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,6 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("run")
+    g.add_argument(
+        "--task",
+        default=DEFAULT_TASK,
+        metavar="FILE.py[:NAME]",
+        help="what is trained: a task class in a file (default: task.py:Task, image classification)",
+    )
+    g.add_argument(
+        "--monitor",
+        default=None,
+        metavar="METRIC",
+        help="the validation metric that picks best.pt and drives early stopping and plateau (default: the task's)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run folder that holds a run (clears it); without it such a folder is refused",
+    )
     g.add_argument(
         "-n",
         "--name",
@@ -133,25 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a collective may wait before the run fails instead of hanging (default: 600)",
     )
 
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--dataset",
-        choices=DATASETS,
-        default="digits",
-        help="digits: scikit-learn's bundled 8x8 digits, no download (default)",
-    )
-    g.add_argument(
-        "-d",
-        "--data-root",
-        "--data_path",
-        dest="data_root",
-        default="data",
-        help="folder holding mnist/fashion-mnist/cifar10 files (default: data)",
-    )
-    g.add_argument("--download", action="store_true", help="let torchvision download the dataset into --data-root")
-    g.add_argument("--train-dir", default=None, help="imagefolder: training images, one folder per class")
-    g.add_argument("--val-dir", default=None, help="imagefolder: validation images, one folder per class")
-    g.add_argument("--image-size", type=_positive_int, default=224, help="imagefolder: crop size (default: 224)")
+    g = p.add_argument_group("data loading")
     g.add_argument(
         "-b",
         "--batch-size",
@@ -169,20 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="DataLoader workers per rank (default: 0, right for the in-memory default data)",
     )
     g.add_argument("--prefetch-factor", type=_positive_int, default=2, help="batches prefetched per worker")
-
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        default="toy",
-        help="toy (a small CNN for any input size) or a torchvision classifier: resnet18, resnet50, ...",
-    )
-    g.add_argument(
-        "--init",
-        choices=("default", "he"),
-        default="default",
-        help="he: Kaiming-normal init of conv and linear weights",
-    )
-    g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm before DDP")
 
     g = p.add_argument_group("optimizer")
     g.add_argument(
@@ -220,7 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lookahead-k", type=_positive_int, default=5, help="Lookahead sync period (default: 5)")
     g.add_argument("--lookahead-alpha", type=float, default=0.5, help="Lookahead slow step (default: 0.5)")
     g.add_argument("--clip-grad-norm", type=float, default=0.0, help="clip the global gradient norm (0: off)")
-    g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
 
     g = p.add_argument_group("learning-rate schedule")
     g.add_argument(
@@ -304,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--early-stop-delta", type=float, default=0.0, help="smallest change that counts")
 
     g = p.add_argument_group("DDP performance")
+    g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm before DDP")
     g.add_argument("--static-graph", action="store_true", help="DDP static_graph=True")
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
     g.add_argument("--find-unused-parameters", action="store_true", help="DDP find_unused_parameters=True")
@@ -312,16 +309,88 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check the command line; raises UserError on any mistake."""
-    cfg = build_parser().parse_args(argv)
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
+    """Parse and check the command line; returns (flags, task class). Raises UserError on any mistake."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    task_flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    task_flag.add_argument("--task", default=DEFAULT_TASK)
+    task_class = load_task(task_flag.parse_known_args(argv)[0].task)
+    parser = build_parser()
+    if hasattr(task_class, "add_arguments"):
+        task_class.add_arguments(parser)
+    cfg = parser.parse_args(argv)
     check(cfg)
+    cfg.monitor = monitored_metric(task_class, cfg.monitor)
     if cfg.name is None:
         cfg.name = time.strftime("%Y%m%d-%H%M%S")
     if cfg.lr_power is None:
         cfg.lr_power = 2.0 if cfg.optimizer == "lars" else 1.0
     cfg.run_dir = str(Path(cfg.runs_dir) / cfg.name)
-    return cfg
+    return cfg, task_class
+
+
+def answer_early(argv: list[str]) -> None:
+    """`run.py --help` and flag mistakes, answered before torch is imported: help exits 0 (argparse), a mistake
+    prints one line (on rank 0 only: every rank parses the same flags) and exits 2."""
+    try:
+        parse(argv)
+    except UserError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            report(str(error))
+        sys.exit(2)
+
+
+def report(message: str, log_file: Path | None = None) -> None:
+    """A user error: one line on stderr (and in the run's train.log when there is one)."""
+    print(f"error: {message}", file=sys.stderr)
+    if log_file is not None and log_file.exists():
+        with open(log_file, "a") as f:
+            f.write(f"error: {message}\n")
+
+
+def load_task(spec: str) -> type:
+    """`path/to/file.py:ClassName` (ClassName defaults to Task); a relative path is looked up from the current
+    folder, then beside run.py. The class must have datasets(), model() and loss() (see task.py)."""
+    path_text, _, name = spec.partition(":")
+    name = name or "Task"
+    path = Path(path_text)
+    if not path.exists() and not path.is_absolute() and (Path(__file__).resolve().parent / path).exists():
+        path = Path(__file__).resolve().parent / path
+    if path.suffix != ".py" or not path.is_file():
+        raise UserError(f"--task {spec!r}: no Python file {path_text!r}; give --task path/to/file.py:ClassName")
+    module_spec = importlib.util.spec_from_file_location(f"task_{path.stem}_{abs(hash(str(path.resolve())))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)  # an error inside the user's file shows its traceback
+    task_class = getattr(module, name, None)
+    if not isinstance(task_class, type):
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__)
+        raise UserError(
+            f"--task {spec!r}: {path_text} has no class {name!r} (it defines: {', '.join(found) or 'no classes'}); "
+            f"name one after the colon"
+        )
+    missing = [f"{m}()" for m in TASK_NEEDS if not callable(getattr(task_class, m, None))]
+    if missing:
+        raise UserError(
+            f"--task {spec!r}: {name} lacks {', '.join(missing)}; a task needs datasets(), model() and "
+            "loss(outputs, targets) (see task.py)"
+        )
+    return task_class
+
+
+def monitored_metric(task_class: type, flag: str | None) -> str:
+    """The validation metric the run follows, as `val_<name>`: --monitor (`acc` or `val_acc`) or the task's."""
+    names = ["loss", *getattr(task_class, "better", {})]
+    name = flag if flag is not None else getattr(task_class, "monitor", "loss")
+    bare = name[4:] if name.startswith("val_") else name
+    if bare not in names:
+        where = "--monitor" if flag is not None else f"the task's monitor {name!r}"
+        raise UserError(f"{where} {name!r} is not a reported metric: use one of {', '.join(names)}")
+    return f"val_{bare}"
+
+
+def mode_of(task_class, monitor: str) -> str:
+    """'min' or 'max': which way the monitored metric improves."""
+    return "min" if monitor == "val_loss" else getattr(task_class, "better", {})[monitor[4:]]
 
 
 def check(cfg: argparse.Namespace) -> None:
@@ -338,19 +407,14 @@ def check(cfg: argparse.Namespace) -> None:
         raise UserError(f"--momentum must be in [0, 1), got {cfg.momentum}")
     if cfg.weight_decay < 0:
         raise UserError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
-    if not 0.0 <= cfg.label_smoothing < 1.0:
-        raise UserError(f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
     if not 0.0 < cfg.lookahead_alpha <= 1.0:
         raise UserError(f"--lookahead-alpha must be in (0, 1], got {cfg.lookahead_alpha}")
     if cfg.trust_coefficient <= 0:
         raise UserError(f"--trust-coefficient must be > 0, got {cfg.trust_coefficient}")
     if not 0.0 < cfg.plateau_factor < 1.0:
         raise UserError(f"--plateau-factor must be in (0, 1), got {cfg.plateau_factor}")
-    if cfg.batch_trace and (cfg.accum_steps > 1 or cfg.amp == "fp16" or cfg.checkpoint_every_steps):
-        raise UserError(
-            "--batch-trace sets the accumulation itself: drop --accum-steps, --amp fp16 "
-            "and --checkpoint-every-steps (a traced run checkpoints after each epoch)"
-        )
+    if cfg.batch_trace and cfg.accum_steps > 1:
+        raise UserError("--batch-trace sets the accumulation of every step itself: drop --accum-steps")
     if cfg.batch_lr_rule != "none" and not cfg.batch_trace:
         raise UserError("--batch-lr-rule needs --batch-trace FILE")
     if cfg.checkpoint_every_steps < 0:
@@ -361,8 +425,6 @@ def check(cfg: argparse.Namespace) -> None:
         raise UserError(f"--clip-grad-norm must be >= 0, got {cfg.clip_grad_norm}")
     if cfg.nesterov and cfg.momentum == 0:
         raise UserError("--nesterov needs --momentum > 0")
-    if cfg.dataset == "imagefolder" and not (cfg.train_dir and cfg.val_dir):
-        raise UserError("--dataset imagefolder needs --train-dir and --val-dir (one sub-folder per class)")
     if cfg.device == "cpu" and cfg.backend == "nccl":
         raise UserError("--backend nccl needs CUDA devices; use --backend gloo with --device cpu")
     if cfg.sync_bn and _launch_world_size() > 1 and _runs_on_cpu(cfg):

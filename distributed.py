@@ -72,7 +72,8 @@ def choose_device(device_flag: str, local_rank: int) -> torch.device:
     if local_rank >= count:
         raise UserError(
             f"local rank {local_rank} has no GPU: only {count} visible; "
-            "launch at most that many processes per node or check CUDA_VISIBLE_DEVICES"
+            "launch at most that many processes per node or check CUDA_VISIBLE_DEVICES",
+            rank_specific=True,
         )
     return torch.device("cuda", local_rank)
 
@@ -102,6 +103,18 @@ def setup(launch: Launch, device_flag: str = "auto", backend_flag: str = "auto",
     )
     control_group = dist.new_group(backend="gloo")  # its own queue: agreement never waits behind DDP's traffic
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
+
+
+def wrap(model: torch.nn.Module, dist_info: Dist, sync_bn: bool = False, **ddp_options) -> torch.nn.Module:
+    """SyncBatchNorm (on request) and DistributedDataParallel, in a distributed run; the model as is otherwise."""
+    if not dist_info.enabled:
+        return model
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    device_ids = [dist_info.device] if dist_info.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, gradient_as_bucket_view=True, **ddp_options
+    )
 
 
 _LIVE_PREEMPTIONS: list = []

@@ -1,5 +1,9 @@
-"""One training epoch and one exact evaluation: autocast, GradScaler, gradient accumulation under
-`no_sync()`, and metrics kept as tensors (no host sync per step; `.item()` only at logging intervals).
+"""THE training loop, one for every kind of run (plain, accumulated, traced), and the exact evaluation.
+
+A step is what the plan says: this rank's micro-batches, each forward under autocast, its loss divided so the
+step averages exactly its samples, backward under DDP's `no_sync()` until the last one (or, in a traced run,
+one all-reduce at the end); then clipping, the GradScaler and the step's LR factor. Metrics are the task's
+sums, kept as device tensors: no host sync per step (`.item()` only at logging intervals).
 """
 
 from __future__ import annotations
@@ -12,58 +16,44 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
+from batch_trace import TraceReduction
+from config import UserError
 from distributed import all_reduce_sum, any_rank, broadcast_buffers, gather_from_ranks
+from plan import Step
+from precision import Precision
 from schedulers import Schedule
-
-AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
 class Training:
     """Everything one optimizer step needs, and the counters that outlive an epoch."""
 
-    model: nn.Module  # DDP-wrapped in a distributed run
-    optimizer: Optimizer
+    model: nn.Module  # DDP-wrapped in a distributed run without a trace
+    optimizer: torch.optim.Optimizer
     schedule: Schedule
+    task: object  # see task.py
+    sum_names: list[str]  # the task's metric_sums keys, in the order the sums vector holds them
+    precision: Precision
     device: torch.device
-    amp_dtype: torch.dtype | None = None
-    scaler: torch.amp.GradScaler | None = None
-    accum_steps: int = 1
     clip_grad_norm: float = 0.0
-    label_smoothing: float = 0.0
     channels_last: bool = False
-    apex_amp: object | None = None  # NVIDIA Apex's amp module, when --amp-backend apex
-    adascale: object | None = None  # batch_trace.AdaScale, with --batch-lr-rule adascale
     on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
+    reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
+    adascale_progress: bool = False  # AdaScale: the schedule advances by the gain r per step
     epoch: int = 0
     global_step: int = 0  # optimizer steps taken or skipped, over the whole run
     skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
-    criterion: nn.Module = field(init=False)
-    epoch_loss: torch.Tensor | None = field(init=False, default=None)  # this rank's running loss of the epoch
-    lr_trace: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
-
-    def __post_init__(self) -> None:
-        self.criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=self.label_smoothing)
+    epoch_sums: torch.Tensor | None = field(init=False, default=None)  # this rank's running sums of the epoch
+    lr_log: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
 
     @property
     def raw_model(self) -> nn.Module:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
-    def autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        elif self.apex_amp is not None:
-            with self.apex_amp.scale_loss(loss, self.optimizer) as scaled_loss:
-                scaled_loss.backward()
-        else:
-            loss.backward()
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
     def to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = inputs.to(self.device, non_blocking=True)
@@ -71,24 +61,59 @@ class Training:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         return inputs, targets.to(self.device, non_blocking=True)
 
+    def forward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor):
+        """The model under autocast, then the task's loss on float outputs: (outputs, batch-mean loss)."""
+        with self.precision.autocast():
+            outputs = model(inputs)
+        outputs = outputs.float() if outputs.is_floating_point() else outputs
+        return outputs, self.task.loss(outputs, targets)
 
-def micro_batch_sizes(num_samples: int, batch_size: int) -> list[int]:
-    """The sizes of the loader's batches on one rank (the last one may be short)."""
-    full, rest = divmod(num_samples, batch_size)
-    return [batch_size] * full + ([rest] if rest else [])
+    def batch_sums(self, outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """[loss x samples, *the task's metric sums], float64 on the device."""
+        sums = self.task.metric_sums(outputs.detach(), targets) if self.sum_names else {}
+        return torch.stack([loss.detach().double() * len(targets), *(sums[k].double() for k in self.sum_names)])
+
+    def report(self, prefix: str, sums: torch.Tensor, count: float) -> dict[str, float]:
+        """The task's reported metrics from sums reduced over a whole set: `{prefix}_loss`, `{prefix}_<name>`."""
+        return report(self.task, self.sum_names, prefix, sums.tolist(), count)
 
 
-def group_weights(sizes: list[int], accum_steps: int) -> list[tuple[int, bool]]:
-    """For each micro-batch: the number of samples in its accumulation group, and whether it ends the group.
+def report(task, sum_names: list[str], prefix: str, values: list[float], count: float) -> dict[str, float]:
+    count = max(count, 1.0)  # an epoch with no step left (resumed at its very end) has no samples
+    sums = dict(zip(sum_names, values[1:]))
+    metrics = task.metrics(sums, count) if hasattr(task, "metrics") else {k: v / count for k, v in sums.items()}
+    return {f"{prefix}_loss": values[0] / count} | {f"{prefix}_{k}": float(v) for k, v in metrics.items()}
 
-    Each micro-batch's summed loss is divided by its group's sample count, so every optimizer step uses
-    the mean gradient over exactly the samples of its group, the epoch's short last group included.
-    """
-    plan = []
-    for start in range(0, len(sizes), accum_steps):
-        group = sizes[start : start + accum_steps]
-        plan.extend((sum(group), i == len(group) - 1) for i in range(len(group)))
-    return plan
+
+def check_task(task, model: nn.Module, dataset) -> list[str]:
+    """One forward pass and loss on two training samples, before any process group: initialises lazy modules,
+    and turns a model that does not fit the loss into one line. Returns the task's metric-sum names."""
+    inputs, targets = torch.utils.data.default_collate([dataset[i] for i in range(min(2, len(dataset)))])
+    training = model.training
+    model.eval()  # no BatchNorm statistics change
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+            loss = task.loss(outputs.float(), targets)
+            sums = task.metric_sums(outputs.float(), targets) if hasattr(task, "metric_sums") else {}
+    except Exception as error:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
+        raise UserError(
+            f"the task's model output (on inputs of shape {tuple(inputs.shape)}) does not fit its loss or metrics "
+            f"({reason}); make model() return what loss() expects"
+        ) from None
+    finally:
+        model.train(training)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise UserError("the task's loss() must return the batch mean as a scalar tensor, e.g. F.mse_loss(...)")
+    reported = set(report(task, list(sums), "", [0.0] * (len(sums) + 1), 2.0)) - {"_loss"}
+    declared = {f"_{name}" for name in getattr(task, "better", {})}
+    if reported != declared:
+        raise UserError(
+            f"the task reports metrics {sorted(m[1:] for m in reported)} but its `better` names "
+            f"{sorted(m[1:] for m in declared)}: give each reported metric 'min' or 'max' in `better`"
+        )
+    return list(sums)
 
 
 class NonFiniteLoss(Exception):
@@ -101,94 +126,100 @@ class NonFiniteLoss(Exception):
 
 def train_one_epoch(
     t: Training,
+    steps: list[Step],
     loader,
+    first_step: int = 0,
+    sums: torch.Tensor | None = None,
     progress=None,
     log_interval: int = 20,
-    start_step: int = 0,
-    sums: torch.Tensor | None = None,
     after_step: Callable[[int, Callable[[], torch.Tensor]], bool] | None = None,
 ) -> dict[str, float] | None:
-    """Train over the loader once; return the epoch's loss and accuracy reduced across ranks.
+    """Train the epoch's `steps` from `first_step` on; return the epoch's metrics reduced across ranks.
 
-    To continue an epoch, the loader's sampler must already skip the samples of the first `start_step`
-    steps, and `sums` holds this rank's running (loss, correct, samples) from then. `after_step(steps_done,
-    current_sums)` runs after every optimizer step (`current_sums()` gives this rank's running sums); when it
-    returns True the epoch stops there and None is returned.
+    The loader yields this rank's micro-batches of those steps in order. To continue an epoch, `sums` holds this
+    rank's running [loss, *metric sums, samples] from then. `after_step(steps_done, current_sums)` runs after
+    every optimizer step; when it returns True the epoch stops there and None is returned.
     """
     t.model.train()
-    plan = group_weights(micro_batch_sizes(len(loader.sampler), loader.batch_size), t.accum_steps)
-    sums = torch.zeros(3, dtype=torch.float64) if sums is None else sums.cpu()
-    # Running totals: two device scalars and a host count, the fewest operations per step.
-    loss_total = sums[0].to(t.device, copy=True)
-    correct_total = sums[1].to(t.device, copy=True)
-    count = int(sums[2])
-    t.epoch_loss = loss_total  # a non-finite loss makes it non-finite: "stop" checks it, at no cost per step
+    width = len(t.sum_names) + 1
+    start_sums = torch.zeros(width + 1, dtype=torch.float64) if sums is None else sums.cpu()
+    running = start_sums[:width].to(t.device, copy=True)
+    count = int(start_sums[width])
+    t.epoch_sums = running  # a non-finite loss makes it non-finite: "stop" checks it, at no cost per step
 
     def current_sums() -> torch.Tensor:
-        return torch.stack([loss_total, correct_total, torch.tensor(float(count), device=t.device)])
+        return torch.cat([running, torch.tensor([float(count)], dtype=torch.float64, device=t.device)])
 
-    skip_nonfinite = t.scaler is None and t.on_nonfinite == "skip"
-    group_nonfinite = torch.zeros((), dtype=torch.bool, device=t.device)
-    skipped_before = t.skipped_steps
-    start = time.perf_counter()
-    steps = start_step
+    skip_nonfinite = not t.precision.skips_nonfinite and t.on_nonfinite == "skip"
+    step_nonfinite = torch.zeros((), dtype=torch.bool, device=t.device)
+    params = [p for p in t.raw_model.parameters() if p.requires_grad]
+    skipped_before, start = t.skipped_steps, time.perf_counter()
+    batches = iter(loader)
     if progress is not None:
-        progress.update(start_step)
-    for (inputs, targets), (group_samples, ends_group) in zip(loader, plan):
-        inputs, targets = t.to_device(inputs, targets)
-        sync = ends_group or not isinstance(t.model, DistributedDataParallel)
-        with contextlib.nullcontext() if sync else t.model.no_sync():
-            with t.autocast():
-                outputs = t.model(inputs)
-                loss_sum = t.criterion(outputs.float(), targets)
-            loss = loss_sum / group_samples
-            t.backward(loss)
-        with torch.no_grad():
-            loss_sum = loss_sum.detach()
-            if skip_nonfinite:  # keep the skipped batch out of the epoch's loss
-                nonfinite = ~torch.isfinite(loss_sum)
-                group_nonfinite |= nonfinite
-                loss_sum = torch.where(nonfinite, torch.zeros_like(loss_sum), loss_sum)
-            loss_total += loss_sum
-            correct_total += (outputs.argmax(1) == targets).sum()
-            count += targets.shape[0]
-        if ends_group:
-            if skip_nonfinite and any_rank(group_nonfinite.item(), t.device):
-                t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
-                t.global_step += 1
-                t.skipped_steps += 1
-                group_nonfinite.zero_()
-            else:
-                optimizer_step(t)
-            steps += 1
-            if steps % log_interval == 0:
-                raise_if_nonfinite(t)
-            if after_step is not None and after_step(steps, current_sums):
-                return None
-            if progress is not None and steps % log_interval == 0:
-                progress.set_postfix(
-                    loss=f"{loss_total.item() / count:.4f}",
-                    lr=f"{t.optimizer.param_groups[0]['lr']:.4g}",
-                    samples_per_s=f"{count / (time.perf_counter() - start):.0f}",
-                )
-                progress.update(log_interval)
+        progress.update(first_step)
+    for done, step in enumerate(steps[first_step:], start=first_step + 1):
+        for k in range(len(step.micro_batches)):
+            inputs, targets = t.to_device(*next(batches))
+            sync = k == len(step.micro_batches) - 1 or not hasattr(t.model, "no_sync")  # DDP: reduce on the last
+            with contextlib.nullcontext() if sync else t.model.no_sync():
+                outputs, loss = t.forward(t.model, inputs, targets)
+                t.precision.backward(loss * (len(targets) / step.divisor), t.optimizer)
+            if t.reduction is not None:
+                t.reduction.after_backward(len(targets), step.batch)
+            with torch.no_grad():
+                row = t.batch_sums(outputs, targets, loss)
+                if skip_nonfinite:  # keep the skipped batch out of the epoch's sums
+                    nonfinite = ~torch.isfinite(row[0])
+                    step_nonfinite |= nonfinite
+                    row = torch.where(nonfinite, torch.zeros_like(row), row)
+                running += row
+            count += len(targets)
+        factor = step.lr_factor
+        gain = t.reduction.finish(step.batch) if t.reduction is not None else 1.0
+        if t.adascale_progress:
+            factor *= gain
+        if skip_nonfinite and any_rank(step_nonfinite.item(), t.device):
+            t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
+            t.global_step += 1
+            t.skipped_steps += 1
+            step_nonfinite.zero_()
+        else:
+            optimizer_step(t, params, factor, gain)
+        if done % log_interval == 0:
+            raise_if_nonfinite(t)
+        if after_step is not None and after_step(done, current_sums):
+            return None
+        if progress is not None and done % log_interval == 0:
+            progress.set_postfix(loss=f"{running[0].item() / max(count, 1):.4f}", lr=f"{t.lr:.4g}",
+                                 samples_per_s=f"{count / (time.perf_counter() - start):.0f}")  # fmt: skip
+            progress.update(done - progress.n)
     if progress is not None:
-        progress.update(steps - progress.n)
+        progress.update(len(steps) - progress.n)
     raise_if_nonfinite(t)
-    return epoch_metrics(all_reduce_sum(current_sums()), time.perf_counter() - start, t.skipped_steps - skipped_before)
-
-
-def epoch_metrics(sums: torch.Tensor, seconds: float, skipped_steps: int) -> dict[str, float]:
-    """A training epoch's row from its (loss, correct, samples) sums, already reduced across ranks."""
-    loss, correct, count = sums.tolist()
-    count = max(count, 1.0)  # an epoch with no step left (resumed at its very end) has no samples
-    return {
-        "train_loss": loss / count,
-        "train_acc": correct / count,
-        "samples_per_second": count / seconds,
+    seconds = time.perf_counter() - start
+    trained_now = torch.tensor([count - float(start_sums[width])], dtype=torch.float64, device=t.device)
+    *total, samples, samples_now = all_reduce_sum(torch.cat([current_sums(), trained_now])).tolist()
+    return t.report("train", torch.tensor(total), samples) | {
+        "global_batch": samples / max(len(steps), 1),
+        "samples_per_second": samples_now / seconds,
         "epoch_seconds": seconds,
-        "skipped_steps": skipped_steps,
+        "skipped_steps": t.skipped_steps - skipped_before,
     }
+
+
+def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1.0, progress: float = 1.0) -> None:
+    """One optimizer step at the schedule's LR x `lr_factor`, and one schedule step (by `progress` with AdaScale);
+    an fp16 step the scaler skips does not advance the schedule."""
+    if t.schedule.warming_up or t.global_step % 10 == 0:
+        t.lr_log.append((t.global_step + 1, t.lr * lr_factor))  # host floats: no sync
+    took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
+    t.global_step += 1
+    if not took_step:
+        t.skipped_steps += 1
+        return
+    if t.adascale_progress:  # scale-invariant progress: the schedule advances by r
+        t.schedule.per_step.last_epoch += progress - 1
+    t.schedule.step()
 
 
 def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
@@ -198,9 +229,11 @@ def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
     checkpoint, where non-finite weights or buffers count too: a finite loss can still take a step to
     infinite weights, and those must never replace the last good checkpoint.
     """
-    if t.scaler is not None or (t.on_nonfinite != "stop" and not check_weights):
+    if t.precision.skips_nonfinite or (t.on_nonfinite != "stop" and not check_weights):
         return  # fp16: the GradScaler skips such steps itself
-    bad = ~torch.isfinite(t.epoch_loss) if t.on_nonfinite == "stop" and t.epoch_loss is not None else None
+    bad = None
+    if t.on_nonfinite == "stop" and t.epoch_sums is not None:
+        bad = ~torch.isfinite(t.epoch_sums[0])
     if check_weights:
         state = [v for v in t.raw_model.state_dict().values() if v.is_floating_point()]  # parameters and buffers
         weights_bad = ~torch.stack([v.isfinite().all() for v in state]).all()
@@ -212,50 +245,19 @@ def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
         raise NonFiniteLoss(t.epoch, t.global_step, flags.index(1.0))
 
 
-def optimizer_step(t: Training) -> None:
-    """One optimizer step and one schedule step; an fp16 step the scaler skips does not advance the schedule."""
-    if t.schedule.warming_up or t.global_step % 10 == 0:
-        t.lr_trace.append((t.global_step + 1, t.optimizer.param_groups[0]["lr"]))  # a host float: no sync
-    took_step = True
-    if t.scaler is not None:
-        if t.clip_grad_norm > 0:
-            t.scaler.unscale_(t.optimizer)
-            nn.utils.clip_grad_norm_(t.raw_model.parameters(), t.clip_grad_norm)
-        scale_before = t.scaler.get_scale()  # GradScaler.step syncs anyway to decide on skipping
-        t.scaler.step(t.optimizer)
-        t.scaler.update()
-        took_step = t.scaler.get_scale() >= scale_before
-    else:
-        if t.clip_grad_norm > 0:
-            nn.utils.clip_grad_norm_(t.raw_model.parameters(), t.clip_grad_norm)
-        t.optimizer.step()
-    t.optimizer.zero_grad(set_to_none=True)
-    t.global_step += 1
-    if took_step:
-        t.schedule.step()
-    else:
-        t.skipped_steps += 1
-
-
 @torch.no_grad()
 def evaluate(t: Training, loader) -> dict[str, float]:
-    """Loss and accuracy over the validation set, each sample counted once across ranks (sums and counts).
-
-    Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward
-    would wait for the others.
-    """
+    """The task's loss and metrics over the validation set, each sample counted once across ranks (sums and
+    counts). Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward
+    would wait for the others."""
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
     model.eval()
-    criterion = nn.CrossEntropyLoss(reduction="sum")
-    sums = torch.zeros(3, dtype=torch.float64, device=t.device)
+    sums = torch.zeros(len(t.sum_names) + 2, dtype=torch.float64, device=t.device)
     for inputs, targets in loader:
         inputs, targets = t.to_device(inputs, targets)
-        with t.autocast():
-            outputs = model(inputs)
-        sums[0] += criterion(outputs.float(), targets)
-        sums[1] += (outputs.argmax(1) == targets).sum()
-        sums[2] += targets.numel()
-    all_reduce_sum(sums)
-    loss, correct, count = sums.tolist()
-    return {"val_loss": loss / count, "val_acc": correct / count}
+        outputs, loss = t.forward(model, inputs, targets)
+        sums[:-1] += t.batch_sums(outputs, targets, loss)
+        sums[-1] += len(targets)
+    *total, samples = all_reduce_sum(sums).tolist()
+    return t.report("val", torch.tensor(total), samples)

@@ -82,6 +82,20 @@ def _adapt_first_conv(model: nn.Module, in_channels: int) -> None:
                 return
 
 
+def compiled(model: nn.Module) -> nn.Module:
+    """torch.compile; where it cannot work, one warning and eager mode (now, or at the first failing call)."""
+    import logging
+
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly instead
+    try:
+        return torch.compile(model)
+    except Exception as error:  # torch.compile refuses some platforms outright
+        logging.getLogger("ddp_tricks").warning("warning: --compile is not available here (%s); eager mode", error)
+        return model
+
+
 def he_init(model: nn.Module) -> None:
     """Kaiming-normal weights for every conv and linear layer, zero biases."""
     for module in model.modules():

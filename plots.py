@@ -43,8 +43,15 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
     return out
 
 
-def lr_schedule(lrs: list[float], steps_per_epoch: int, path: str | Path, title: str) -> Path:
-    """The learning rate at every optimizer step, with epoch boundaries marked."""
+def lr_schedule(lrs: list[float], steps_per_epoch: int, run_dir: str | Path, title: str) -> Path:
+    """run_dir/lr_schedule.png: the learning rate at every optimizer step, epoch boundaries marked; and the
+    numbers in run_dir/lr_schedule.csv."""
+    run_dir = Path(run_dir)
+    with open(run_dir / "lr_schedule.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "lr"])
+        writer.writerows(enumerate(lrs, start=1))
+    path = run_dir / "lr_schedule.png"
     fig, ax = plt.subplots(figsize=(8, 4))
     steps = range(1, len(lrs) + 1)
     ax.plot(steps, lrs, lw=1.5)

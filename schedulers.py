@@ -4,7 +4,6 @@ step decay (`WarmupDecay`, `PolynomialWarmup`), or ReduceLROnPlateau once warmup
 
 from __future__ import annotations
 
-import argparse
 import math
 
 from torch.optim import Optimizer
@@ -87,9 +86,9 @@ class PolynomialWarmup(WarmupDecay):
 
 
 class Schedule:
-    """The run's schedule: `step()` after every optimizer step that was taken, `epoch_end(val_loss)` after
-    each evaluation. With a plateau, warmup owns the LR until it ends and ReduceLROnPlateau after, so
-    neither overwrites the other."""
+    """The run's schedule: `step()` after every optimizer step that was taken, `epoch_end(monitored)` after
+    each evaluation (the monitored metric, reduced across ranks). With a plateau, warmup owns the LR until it
+    ends and ReduceLROnPlateau after, so neither overwrites the other."""
 
     def __init__(self, per_step: WarmupDecay, plateau: ReduceLROnPlateau | None = None):
         self.per_step = per_step
@@ -103,9 +102,9 @@ class Schedule:
         if self.plateau is None or self.warming_up:
             self.per_step.step()
 
-    def epoch_end(self, val_loss: float) -> None:
+    def epoch_end(self, monitored: float) -> None:
         if self.plateau is not None and not self.warming_up:
-            self.plateau.step(val_loss)
+            self.plateau.step(monitored)
 
     def state_dict(self) -> dict:
         return {
@@ -119,29 +118,45 @@ class Schedule:
             self.plateau.load_state_dict(state["plateau"])
 
 
-def decay_kind(cfg: argparse.Namespace) -> str:
+def lrs_over_run(make_schedule, base_lr: float, total_steps: int, factor_at=lambda step: 1.0) -> list[float]:
+    """The LR every step of a run uses: the schedule stepped on a throwaway optimizer, times `factor_at(step)`."""
+    import torch
+
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+    schedule = make_schedule(probe)
+    lrs = []
+    for step in range(total_steps):
+        lrs.append(probe.param_groups[0]["lr"] * factor_at(step))
+        probe.step()
+        schedule.step()
+    return lrs
+
+
+def decay_kind(scheduler: str, warmup_type: str = "linear") -> str:
     """`--warmup-type cosine` (the original template's) means cosine decay after warmup."""
-    if cfg.warmup_type == "cosine" and cfg.scheduler == "constant":
+    if warmup_type == "cosine" and scheduler == "constant":
         return "cosine"
-    return cfg.scheduler
+    return scheduler
 
 
-def build(cfg: argparse.Namespace, optimizer: Optimizer, steps_per_epoch: int) -> Schedule:
-    """The schedule the flags describe, counted in optimizer steps (fractional warmup epochs round to steps)."""
-    total_steps = cfg.epochs * steps_per_epoch
-    warmup_steps = min(round(cfg.warmup_epochs * steps_per_epoch), total_steps)
-    kind = decay_kind(cfg)
+def build(
+    optimizer: Optimizer, *, total_steps: int, warmup_steps: int, kind: str = "constant", end_lr: float = 0.0,
+    power: float = 1.0, step_size: int = 1, gamma: float = 0.1, plateau_factor: float = 0.1,
+    plateau_patience: int = 2, plateau_mode: str = "min",
+) -> Schedule:  # fmt: skip
+    """The run's schedule, counted in optimizer steps: warmup, then `kind` (constant / poly / cosine / step) for
+    the rest of the run, or ReduceLROnPlateau on the monitored metric (`plateau_mode`: min or max)."""
     per_step = WarmupDecay(
         optimizer,
         warmup_steps=warmup_steps,
         decay_steps=total_steps - warmup_steps,
         decay="constant" if kind == "plateau" else kind,
-        end_lr=cfg.end_lr,
-        power=cfg.lr_power,
-        step_size=max(1, round(cfg.step_epochs * steps_per_epoch)),
-        gamma=cfg.step_gamma,
+        end_lr=end_lr,
+        power=power,
+        step_size=max(1, step_size),
+        gamma=gamma,
     )
     plateau = None
     if kind == "plateau":
-        plateau = ReduceLROnPlateau(optimizer, mode="min", factor=cfg.plateau_factor, patience=cfg.plateau_patience)
+        plateau = ReduceLROnPlateau(optimizer, mode=plateau_mode, factor=plateau_factor, patience=plateau_patience)
     return Schedule(per_step, plateau)

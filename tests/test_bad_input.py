@@ -121,7 +121,7 @@ def test_checkpoint_not_from_run_py(tmp_path, capsys):
 def test_checkpoint_of_another_model(tmp_path, capsys):
     path = tmp_path / "other.pt"
     torch.save({"model": {"fc.weight": torch.zeros(3, 3)}, "epoch": 1, "config": {"model": "mlp"}}, path)
-    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "do not fit --model toy", capsys)
+    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "do not fit this task's model", capsys)
 
 
 def test_checkpoint_of_another_optimizer_leaves_it_intact(tmp_path, capsys):

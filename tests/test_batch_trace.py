@@ -5,15 +5,19 @@ import csv
 import math
 
 import pytest
+import tiny
 import torch
 from multiproc import REPO, run_ranks, torchrun
 from torch import nn
 
 import batch_trace
 import data
+import engine
+import image_data
 import run
 import schedulers
-from engine import Training
+import trace_api
+from plan import Plan, lr_factor
 
 
 def test_trace_files_lists_and_ints(tmp_path):
@@ -73,25 +77,35 @@ def _model():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
 
-def _trace_on_ranks(rank, world_size):
-    digits = data._digits()
+def _traced_run(rank, world_size, trace, rule="none", lr=1.0, schedule=None, adascale=None):
+    """run.py's loop (engine.train_one_epoch) over one traced epoch: the weights after every step."""
+    train_set, _ = image_data.digits()
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    t = Training(model, opt, schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 0)), torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    plan = Plan(len(train_set), world_size, MICRO, 1, 0, lr, 8, 4, 4, 0, tuple(trace), rule)
+    steps = plan.epoch(1, rank)
+    reduction = batch_trace.TraceReduction(list(model.parameters()), MICRO, adascale)
+    t = tiny.training(model, opt, schedule and schedule(opt), reduction=reduction, adascale_progress=bool(adascale))
     history = []
-    for _, indices in batch_trace.epoch_steps(len(digits.train_set), TRACE, 0, 0, 1, False):
-        mine = batch_trace.deal(indices, MICRO, world_size, rank)
-        batch_trace.trace_step(t, digits.train_set, mine, len(indices), MICRO, "none", 8, None)
+
+    def record(done, sums):
         history.append([p.detach().clone() for p in model.parameters()])
-    return history
+        return False
+
+    engine.train_one_epoch(t, steps, tiny.loader_for(train_set, steps, rank), after_step=record)
+    return history, steps, t
+
+
+def _trace_on_ranks(rank, world_size):
+    return _traced_run(rank, world_size, TRACE)[0]
 
 
 def assert_each_step_matches_one_process(results, steps):
     """Ground truth, one process: w <- w - 1.0 * grad(mean cross-entropy over the step's B_i samples)."""
-    digits = data._digits()
+    train_set, _ = image_data.digits()
     model = _model()
     for step, (_, indices) in enumerate(steps):
-        x, y = digits.train_set.inputs[indices], digits.train_set.targets[indices]
+        x, y = train_set.inputs[indices], train_set.targets[indices]
         model.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         with torch.no_grad():
@@ -105,31 +119,27 @@ def assert_each_step_matches_one_process(results, steps):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_each_step_uses_the_exact_mean_gradient_of_its_global_batch(world_size):
     results = run_ranks(_trace_on_ranks, world_size)
-    steps = batch_trace.epoch_steps(len(data._digits().train_set), TRACE, 0, 0, 1, False)
+    steps = batch_trace.epoch_steps(len(image_data.digits()[0]), TRACE, 0, 0, 1, False)
     assert_each_step_matches_one_process(results, steps)
     assert len(results[0]) == 4
 
 
 def test_lr_rules_by_hand():
-    assert batch_trace.lr_factor("none", 128, 32) == 1.0
-    assert batch_trace.lr_factor("linear", 128, 32) == 4.0
-    assert batch_trace.lr_factor("root", 128, 32) == 2.0
-    assert batch_trace.lr_factor("adascale", 128, 32, gain=3.5) == 3.5
+    assert lr_factor("none", 128, 32) == lr_factor("keep", 128, 32) == 1.0
+    assert lr_factor("linear", 128, 32) == 4.0
+    assert lr_factor("root", 128, 32) == lr_factor("sqrt", 128, 32) == 2.0
 
 
 def test_the_schedule_keeps_the_reference_lr_and_the_step_uses_the_scaled_one():
-    digits = data._digits()
-    model = _model()
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    t = Training(model, opt, schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 0)), torch.device("cpu"))
-    idx = torch.arange(32)
-    batch_trace.trace_step(t, digits.train_set, list(idx.split(8)), 32, 8, "linear", 8, None)
-    assert opt.param_groups[0]["lr"] == 0.1  # the reference LR, as the user's schedule set it
-    x, y = digits.train_set.inputs[idx], digits.train_set.targets[idx]
+    before = [p.detach().clone() for p in _model().parameters()]
+    history, steps, t = _traced_run(0, 1, [32], rule="linear", lr=0.1)
+    assert t.optimizer.param_groups[0]["lr"] == 0.1  # the reference LR, as the user's schedule set it
+    train_set, _ = image_data.digits()
+    idx = torch.tensor([i for micro in steps[0].micro_batches for i in micro])
+    x, y = train_set.inputs[idx], train_set.targets[idx]
     ref = _model()
     nn.functional.cross_entropy(ref(x), y).backward()
-    for p, b, r in zip(model.parameters(), before, ref.parameters()):
+    for p, b, r in zip(history[0], before, ref.parameters()):
         assert torch.allclose(p, b - 0.4 * r.grad, atol=1e-6)  # 0.1 x 32/8
 
 
@@ -152,17 +162,17 @@ def test_adascale_gain_on_a_case_with_known_variance():
 
 
 def _adascale_on_ranks(rank, world_size):
-    digits = data._digits()
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    t = Training(model, opt, schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 100, "cosine")), torch.device("cpu"))
     ada = batch_trace.AdaScale()
     gains = []
-    for _, indices in batch_trace.epoch_steps(len(digits.train_set), [64, 8, 64], 0, 0, 1, False):
-        out = batch_trace.trace_step(
-            t, digits.train_set, batch_trace.deal(indices, 8, world_size, rank), len(indices), 8, "adascale", 8, ada
-        )
-        gains.append(out["gain"])
+    original_update = ada.update
+
+    def update(*args):
+        gains.append(original_update(*args))
+        return gains[-1]
+
+    ada.update = update
+    schedule = lambda opt: schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 100, "cosine"))  # noqa: E731
+    _, _, t = _traced_run(rank, world_size, [64, 8, 64], rule="adascale", lr=0.05, schedule=schedule, adascale=ada)
     return gains, t.schedule.per_step.last_epoch
 
 
@@ -209,20 +219,20 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
 
 def _original_loop(rank, world_size, rule="none", stop_after=None, resume=None):
     """The original project's loop: a plain model, optimizer.step() after every backward."""
-    digits = data._digits()
+    train_set, _ = image_data.digits()
     model = _model()
     if resume is not None:
         model.load_state_dict(resume["model"])
-    sampler = batch_trace.CustomSampler(digits.train_set, TRACE + [16] * 200, world_size, rank, MICRO, seed=0)
+    sampler = trace_api.CustomSampler(train_set, TRACE + [16] * 200, world_size, rank, MICRO, seed=0)
     cls = {
-        "none": batch_trace._TraceRuleOptimizer,
-        "linear": batch_trace.LinearRuleOptimizer,
-        "adascale": batch_trace.AdaScaleOptimizer,
+        "none": trace_api._TraceRuleOptimizer,
+        "linear": trace_api.LinearRuleOptimizer,
+        "adascale": trace_api.AdaScaleOptimizer,
     }[rule]
     opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), sampler, ref_batchsize=8)
     if resume is not None:
         opt.load_state_dict(resume["optimizer"])
-    loader = torch.utils.data.DataLoader(digits.train_set, batch_sampler=sampler, collate_fn=data._batch_as_is)
+    loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=data._batch_as_is)
     history, updates = [], 0
     for epoch in range(resume["epoch"] if resume else 0, 2):
         opt.set_epoch(epoch)
@@ -239,7 +249,7 @@ def _original_loop(rank, world_size, rule="none", stop_after=None, resume=None):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_original_api_gives_exact_gradients_with_placeholders(world_size):
     results = run_ranks(_original_loop, world_size)
-    steps = batch_trace.epoch_steps(len(data._digits().train_set), TRACE + [16] * 200, 0, 0, 0, True)
+    steps = batch_trace.epoch_steps(len(image_data.digits()[0]), TRACE + [16] * 200, 0, 0, 0, True)
     assert_each_step_matches_one_process(results, steps[:4])
     assert len(results[0]) == len(results[-1]) > 4
 

@@ -1,22 +1,23 @@
 """The embedded dataset, the training sampler's epochs, and the exact evaluation split."""
 
-import argparse
-
+import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 import data
+import image_data
+from config import UserError
 
 
 def test_digits_split_is_fixed_and_disjoint():
-    first, second = data._digits(), data._digits()
-    assert len(first.train_set) + len(first.val_set) == 1797  # scikit-learn's bundled digits
-    assert len(first.val_set) == 359
-    assert torch.equal(first.val_set.inputs, second.val_set.inputs)
-    train_rows = {tuple(x.flatten().tolist()) for x in first.train_set.inputs}
-    overlap = sum(tuple(x.flatten().tolist()) in train_rows for x in first.val_set.inputs)
+    (train, val), (_, val_again) = image_data.digits(), image_data.digits()
+    assert len(train) + len(val) == 1797  # scikit-learn's bundled digits
+    assert len(val) == 359
+    assert torch.equal(val.inputs, val_again.inputs)
+    train_rows = {tuple(x.flatten().tolist()) for x in train.inputs}
+    overlap = sum(tuple(x.flatten().tolist()) in train_rows for x in val.inputs)
     assert overlap <= 5  # a few digits are pixel-identical in the raw data; the split itself is disjoint
-    assert first.train_set.inputs.shape[1:] == (1, 8, 8)
+    assert train.inputs.shape[1:] == (1, 8, 8)
 
 
 def test_in_memory_batches_are_single_index_operations():
@@ -49,26 +50,26 @@ def test_shard_sampler_gives_each_validation_sample_to_exactly_one_rank():
 
 
 def test_validation_set_smaller_than_world_is_refused():
-    tiny = data.Data(
-        data.InMemoryDataset(torch.zeros(4, 1), torch.zeros(4)),
-        data.InMemoryDataset(torch.zeros(2, 1), torch.zeros(2)),
-        2,
-        1,
-        1,
-    )
-    try:
-        data.check_sizes(tiny, 3)
-    except data.UserError as error:
-        assert "validation set has 2 samples" in str(error)
-    else:
-        raise AssertionError("no error")
+    with pytest.raises(UserError, match="validation set has 2 samples"):
+        data.check_sizes(4, 2, 3)
 
 
 def test_missing_mnist_names_the_path_and_the_fix(tmp_path):
-    cfg = argparse.Namespace(dataset="mnist", data_root=str(tmp_path / "nowhere"), download=False)
-    try:
-        data.load(cfg)
-    except data.UserError as error:
-        assert "nowhere" in str(error) and "--download" in str(error)
-    else:
-        raise AssertionError("no error")
+    with pytest.raises(UserError) as error:
+        image_data.mnist_like("mnist", str(tmp_path / "nowhere"), download=False)
+    assert "nowhere" in str(error.value) and "--download" in str(error.value)
+
+
+def test_the_plan_covers_every_sample_once_per_epoch_in_micro_batches_and_steps():
+    import plan
+
+    p = plan.make(num_train=103, world_size=3, micro_batch=4, accum_steps=3, epochs=1, seed=7, base_lr=0.1,
+                  lr_scaling="keep", base_batch=36, warmup_epochs=0)  # fmt: skip
+    epochs = [[p.epoch(e, rank) for rank in range(3)] for e in (1, 2)]
+    for ranks in epochs:
+        assert all(len(steps) == p.steps_per_epoch == 3 for steps in ranks)  # 35 per rank: 9 micro-batches
+        seen = [i for steps in ranks for step in steps for micro in step.micro_batches for i in micro]
+        assert set(seen) == set(range(103)) and len(seen) == 105  # 2 padded, as DistributedSampler does
+        for steps in ranks:
+            assert [s.divisor for s in steps] == [12, 12, 11] and [len(s.micro_batches) for s in steps] == [3, 3, 3]
+    assert epochs[0][0][0].micro_batches != epochs[1][0][0].micro_batches  # a new order every epoch

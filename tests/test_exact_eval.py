@@ -1,20 +1,15 @@
 """Distributed evaluation equals a single-process evaluation of the same weights, at world sizes 1, 2, 3."""
 
-import argparse
-
 import pytest
+import tiny
 import torch
 from multiproc import run_ranks
 from torch import nn
 
 import data
+import image_data
 import models
-import schedulers
-from engine import Training, evaluate
-
-
-def _cfg():
-    return argparse.Namespace(val_batch_size=16, workers=0, seed=0, prefetch_factor=2)
+from engine import evaluate
 
 
 def _model():
@@ -23,15 +18,15 @@ def _model():
 
 
 def _evaluate_on_ranks(rank, world_size, n_val):
-    datasets = data._digits()
-    val = data.InMemoryDataset(datasets.val_set.inputs[:n_val], datasets.val_set.targets[:n_val])
+    _, val_set = image_data.digits()
+    val = data.InMemoryDataset(val_set.inputs[:n_val], val_set.targets[:n_val])
     model = _model()
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.fill_(float(rank))  # evaluate must use rank 0's statistics everywhere
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    t = Training(model, optimizer, schedulers.Schedule(schedulers.WarmupDecay(optimizer, 0, 1)), torch.device("cpu"))
-    loader = data.val_loader(_cfg(), val, rank, world_size, torch.device("cpu"))
+    t = tiny.training(model, optimizer)
+    loader = data.val_loader(val, 16, rank, world_size, tiny.CPU)
     return evaluate(t, loader)
 
 
@@ -41,12 +36,12 @@ def test_distributed_eval_equals_single_process(world_size):
     results = run_ranks(_evaluate_on_ranks, world_size, n_val, timeout=120)
 
     # Ground truth, written plainly: one process, one batch, mean loss and accuracy.
-    datasets = data._digits()
+    _, val_set = image_data.digits()
     model = _model().eval()
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.fill_(0.0)
-    x, y = datasets.val_set.inputs[:n_val], datasets.val_set.targets[:n_val]
+    x, y = val_set.inputs[:n_val], val_set.targets[:n_val]
     with torch.no_grad():
         logits = model(x)
     expected_loss = nn.functional.cross_entropy(logits.double(), y).item()

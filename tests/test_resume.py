@@ -169,13 +169,12 @@ def test_nonfinite_loss_stops_every_rank_and_keeps_the_last_good_weights(tmp_pat
 
 
 def _skip_nonfinite(rank, world_size):
-    import argparse
-
+    import tiny
     from torch import nn
 
     import data
-    from engine import Training, train_one_epoch
-    from schedulers import Schedule, WarmupDecay
+    import plan
+    from engine import train_one_epoch
 
     inputs = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     inputs[37, 0, 3, 3] = float("inf")  # one bad sample: whichever rank draws it, its step is skipped everywhere
@@ -184,11 +183,10 @@ def _skip_nonfinite(rank, world_size):
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = argparse.Namespace(batch_size=8, seed=0, workers=0, prefetch_factor=2)
-    loader = data.train_loader(cfg, dataset, rank, world_size, torch.device("cpu"))
-    data.start_epoch(loader, 1, 0, rank)
-    t = Training(ddp, opt, Schedule(WarmupDecay(opt, 0, 0)), torch.device("cpu"), on_nonfinite="skip")
-    row = train_one_epoch(t, loader)
+    steps = plan.make(num_train=64, world_size=world_size, micro_batch=8, accum_steps=1, epochs=1, seed=0,
+                      base_lr=0.1, lr_scaling="keep", base_batch=8, warmup_epochs=0).epoch(1, rank)  # fmt: skip
+    t = tiny.training(ddp, opt, on_nonfinite="skip")
+    row = train_one_epoch(t, steps, tiny.loader_for(dataset, steps, rank))
     return row["skipped_steps"], t.global_step, t.schedule.per_step.last_epoch, [p.detach() for p in model.parameters()]
 
 

@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-import schedulers
+import plan
 from lars import PolynomialWarmup as PolynomialWarmupFromLars
-from run import scaled_lr
 from schedulers import PolynomialWarmup, WarmupDecay
 
 
@@ -69,9 +68,20 @@ def _cfg(**kw):
     return argparse.Namespace(**(base | kw))
 
 
+def _build(opt, steps_per_epoch, **kw):
+    """The schedule run.py builds for these flags (run.make_schedule), with steps_per_epoch steps per epoch."""
+    import run
+
+    cfg = _cfg(**kw)
+    total = cfg.epochs * steps_per_epoch
+    the_plan = plan.Plan(steps_per_epoch, 1, 1, 1, 0, opt.param_groups[0]["lr"], 1, steps_per_epoch, total,
+                         min(round(cfg.warmup_epochs * steps_per_epoch), total))  # fmt: skip
+    return run.make_schedule(cfg, the_plan, opt, "min")
+
+
 def test_warmup_then_plateau_on_a_scripted_loss_sequence():
     opt = optimizer(0.1)
-    schedule = schedulers.build(_cfg(), opt, steps_per_epoch=2)
+    schedule = _build(opt, 2)
     seen = []
     for loss in [1.0, 1.2, 0.5, 0.6]:
         for _ in range(2):
@@ -86,7 +96,7 @@ def test_warmup_then_plateau_on_a_scripted_loss_sequence():
 
 def test_plateau_waits_for_warmup_and_warmup_never_undoes_a_cut():
     opt = optimizer(0.1)
-    schedule = schedulers.build(_cfg(warmup_epochs=2.0), opt, steps_per_epoch=2)
+    schedule = _build(opt, 2, warmup_epochs=2.0)
     for _ in range(2):
         opt.step()
         schedule.step()
@@ -106,7 +116,7 @@ def test_plateau_waits_for_warmup_and_warmup_never_undoes_a_cut():
 
 def test_warmup_type_cosine_means_cosine_decay_after_warmup():
     opt = optimizer(1.0)
-    schedule = schedulers.build(_cfg(epochs=2, scheduler="constant", warmup_type="cosine"), opt, steps_per_epoch=2)
+    schedule = _build(opt, 2, epochs=2, scheduler="constant", warmup_type="cosine")
     used = []
     for _ in range(4):
         used.append(opt.param_groups[0]["lr"])
@@ -116,15 +126,16 @@ def test_warmup_type_cosine_means_cosine_decay_after_warmup():
 
 
 def test_fractional_warmup_epochs_become_steps():
-    opt = optimizer(1.0)
-    schedule = schedulers.build(_cfg(warmup_epochs=0.3125, scheduler="constant"), opt, steps_per_epoch=16)
-    assert schedule.per_step.warmup_steps == 5
+    numbers = dict(num_train=512, world_size=1, micro_batch=32, accum_steps=1, epochs=4, seed=0, base_lr=0.1,
+                   lr_scaling="keep", base_batch=256)  # fmt: skip
+    assert plan.make(**numbers, warmup_epochs=0.3125).steps_per_epoch == 16
+    assert plan.make(**numbers, warmup_epochs=0.3125).warmup_steps == 5  # 0.3125 x 16
 
 
 def test_schedule_state_dict_continues_exactly():
     def make():
         opt = optimizer(0.1)
-        return opt, schedulers.build(_cfg(), opt, steps_per_epoch=2)
+        return opt, _build(opt, 2)
 
     opt, schedule = make()
     for loss in [1.0, 1.2]:
@@ -141,6 +152,17 @@ def test_schedule_state_dict_continues_exactly():
 
 
 def test_lr_scaling_rules():
-    assert scaled_lr(0.1, "keep", 1024, 256) == 0.1
-    assert scaled_lr(0.1, "linear", 1024, 256) == pytest.approx(0.4)
-    assert scaled_lr(0.1, "sqrt", 1024, 256) == pytest.approx(0.2)  # the root of the ratio, not of the LR
+    numbers = dict(num_train=4096, micro_batch=256, accum_steps=2, epochs=1, seed=0, base_lr=0.1, base_batch=256,
+                   warmup_epochs=0)  # fmt: skip
+    # global batch 256 x 2 processes x 2 accumulation steps = 1024, four times --base-batch-size
+    assert plan.make(**numbers, world_size=2, lr_scaling="keep").lr == 0.1
+    assert plan.make(**numbers, world_size=2, lr_scaling="linear").lr == pytest.approx(0.4)
+    assert plan.make(**numbers, world_size=2, lr_scaling="sqrt").lr == pytest.approx(0.2)  # root of the ratio
+
+
+def test_a_traced_run_scales_the_lr_to_its_reference_batch():
+    # --lr-scaling takes --base-lr from --base-batch-size to the trace's reference batch (its first by default)
+    traced = plan.make(num_train=1000, world_size=1, micro_batch=8, accum_steps=1, epochs=1, seed=0, base_lr=0.1,
+                       lr_scaling="linear", base_batch=32, warmup_epochs=0, trace=[128, 256],
+                       trace_end="repeat-last")  # fmt: skip
+    assert traced.global_batch == 128 and traced.lr == pytest.approx(0.4)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from multiproc import REPO, python_run
 
-import data
+import image_data
+from config import UserError
 
 
 def _png(path):
@@ -116,11 +117,9 @@ def test_idx_files_are_read_and_split(tmp_path):
     with gzip.open(tmp_path / "t10k-images-idx3-ubyte.gz", "wb") as f:
         f.write(header([50, 28, 28]) + images.numpy().tobytes())
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(header([50]) + labels.numpy().tobytes())
-    assert torch.equal(data.read_idx(tmp_path / "t10k-images-idx3-ubyte.gz"), images)
-    import argparse
-
-    split = data.load(argparse.Namespace(dataset="mnist-idx", data_root=str(tmp_path)))
-    assert len(split.train_set) == 40 and len(split.val_set) == 10
+    assert torch.equal(image_data.read_idx(tmp_path / "t10k-images-idx3-ubyte.gz"), images)
+    train, val = image_data.mnist_idx(str(tmp_path))
+    assert len(train) == 40 and len(val) == 10
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(header([50]) + labels.numpy().tobytes()[:20])
-    with pytest.raises(data.UserError, match="truncated"):
-        data.read_idx(tmp_path / "t10k-labels-idx1-ubyte")
+    with pytest.raises(UserError, match="truncated"):
+        image_data.read_idx(tmp_path / "t10k-labels-idx1-ubyte")

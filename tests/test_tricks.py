@@ -1,16 +1,17 @@
 """Mixed precision, gradient accumulation, early stopping across ranks, and the original command lines."""
 
-import argparse
 import csv
 import json
 
 import pytest
+import tiny
 import torch
 from multiproc import free_port, legacy_launch, python_run, torchrun
 from torch import nn
 
-import data
-from engine import Training, optimizer_step, train_one_epoch
+import image_data
+import plan
+from engine import optimizer_step, train_one_epoch
 from schedulers import Schedule, WarmupDecay
 
 
@@ -23,39 +24,35 @@ def test_fp16_overflow_skips_the_step_and_the_schedule():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    t = Training(
-        model,
-        opt,
-        Schedule(WarmupDecay(opt, warmup_steps=10, decay_steps=0)),
-        torch.device("cpu"),
-        amp_dtype=torch.float16,
-        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8),
-    )
+    t = tiny.training(model, opt, Schedule(WarmupDecay(opt, warmup_steps=10, decay_steps=0)), amp="fp16")
+    t.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    params = list(model.parameters())
     before = [p.detach().clone() for p in model.parameters()]
-    t.backward(model(torch.full((3, 4), float("inf"))).sum())  # inf gradients
-    optimizer_step(t)
+    t.precision.backward(model(torch.full((3, 4), float("inf"))).sum(), opt)  # inf gradients
+    optimizer_step(t, params)
     assert t.skipped_steps == 1 and t.global_step == 1
     assert t.schedule.per_step.last_epoch == 0  # the schedule did not advance
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert t.scaler.get_scale() == 2.0**7
-    t.backward(model(torch.ones(3, 4)).sum())
-    optimizer_step(t)
+    assert t.precision.scaler.get_scale() == 2.0**7
+    t.precision.backward(model(torch.ones(3, 4)).sum(), opt)
+    optimizer_step(t, params)
     assert t.skipped_steps == 1 and t.schedule.per_step.last_epoch == 1
     assert not torch.equal(before[0], model.weight)
 
 
 def _accumulate(rank, world_size, accum_steps, batch_size):
     """One epoch of a model without batch statistics; returns the final weights."""
-    datasets = data._digits()
+    train_set, _ = image_data.digits()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    cfg = argparse.Namespace(batch_size=batch_size, seed=0, workers=0, prefetch_factor=2)
-    loader = data.train_loader(cfg, datasets.train_set, rank, world_size, torch.device("cpu"))
-    loader.sampler.set_epoch(1)
-    t = Training(ddp, opt, Schedule(WarmupDecay(opt, 0, 0)), torch.device("cpu"), accum_steps=accum_steps)
-    train_one_epoch(t, loader)
+    the_plan = plan.make(num_train=len(train_set), world_size=world_size, micro_batch=batch_size,
+                         accum_steps=accum_steps, epochs=1, seed=0, base_lr=0.1, lr_scaling="keep", base_batch=32,
+                         warmup_epochs=0)  # fmt: skip
+    steps = the_plan.epoch(1, rank)
+    t = tiny.training(ddp, opt)
+    train_one_epoch(t, steps, tiny.loader_for(train_set, steps, rank))
     return [p.detach().clone() for p in model.parameters()], t.global_step
 
 

@@ -1,0 +1,139 @@
+"""The built-in task's image datasets, read from what is on disk or inside installed packages: scikit-learn's
+8x8 digits, MNIST IDX files, torchvision's MNIST / Fashion-MNIST / CIFAR-10, and ImageNet-style folders.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from config import UserError
+from data import InMemoryDataset
+
+VAL_FRACTION = 0.2
+SPLIT_SEED = 0  # fixed, so every run and every world size sees the same split
+
+
+def split_in_memory(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[InMemoryDataset, InMemoryDataset]:
+    """Split 80/20 into train/val by a fixed seed, standardised with the training part's mean and std."""
+    order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = int(round(len(targets) * VAL_FRACTION))
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    mean, std = inputs[train_idx].mean().item(), inputs[train_idx].std().item()
+    inputs = ((inputs - mean) / std).contiguous()
+    return InMemoryDataset(inputs[train_idx], targets[train_idx]), InMemoryDataset(inputs[val_idx], targets[val_idx])
+
+
+def digits() -> tuple[InMemoryDataset, InMemoryDataset]:
+    """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes): no download."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return split_in_memory(images, torch.tensor(bunch.target, dtype=torch.long))
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An IDX file (MNIST's format), gzipped or not: a big-endian header of dimensions, then uint8 data."""
+    raw = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise UserError(f"{str(path)!r} is not an IDX file of unsigned bytes (MNIST format)")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    values = torch.frombuffer(bytearray(raw[4 + 4 * ndim :]), dtype=torch.uint8)
+    if values.numel() != math.prod(dims):
+        raise UserError(f"{str(path)!r} is truncated: expected {math.prod(dims)} values, found {values.numel()}")
+    return values.view(*dims)
+
+
+def mnist_idx(root: str) -> tuple[InMemoryDataset, InMemoryDataset]:
+    """The first *images-idx3-ubyte[.gz] / *labels-idx1-ubyte[.gz] pair in `root`, split 80/20."""
+    images = sorted(Path(root).glob("*images-idx3-ubyte*"))
+    labels = sorted(Path(root).glob("*labels-idx1-ubyte*"))
+    if not images or not labels:
+        raise UserError(
+            f"no MNIST IDX files (*images-idx3-ubyte[.gz], *labels-idx1-ubyte[.gz]) in --data-root {root!r}"
+        )
+    x = read_idx(images[0]).float().unsqueeze(1) / 255.0
+    return split_in_memory(x, read_idx(labels[0]).long())
+
+
+def _missing(root: str, what: str) -> UserError:
+    return UserError(
+        f"{what} not found under --data-root {root!r}: put the files there, "
+        f"or add --download to let torchvision fetch them"
+    )
+
+
+def mnist_like(name: str, root: str, download: bool) -> tuple[InMemoryDataset, InMemoryDataset]:
+    """torchvision's MNIST or Fashion-MNIST files, held in memory, standardised by the training set."""
+    from torchvision import datasets
+
+    cls = datasets.MNIST if name == "mnist" else datasets.FashionMNIST
+    try:
+        train = cls(root, train=True, download=download)
+        val = cls(root, train=False, download=download)
+    except (RuntimeError, OSError) as error:
+        raise _missing(root, cls.__name__) from error
+    x_train = train.data.float().unsqueeze(1) / 255.0
+    mean, std = x_train.mean().item(), x_train.std().item()
+    x_val = val.data.float().unsqueeze(1) / 255.0
+    return (
+        InMemoryDataset(((x_train - mean) / std).contiguous(), train.targets.clone()),
+        InMemoryDataset(((x_val - mean) / std).contiguous(), val.targets.clone()),
+    )
+
+
+def cifar10(root: str, download: bool) -> tuple[Dataset, Dataset]:
+    """CIFAR-10 with random crops and flips for training."""
+    from torchvision import datasets, transforms
+
+    normalise = transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    augment = transforms.Compose(
+        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalise]
+    )
+    plain = transforms.Compose([transforms.ToTensor(), normalise])
+    try:
+        train = datasets.CIFAR10(root, train=True, transform=augment, download=download)
+        val = datasets.CIFAR10(root, train=False, transform=plain, download=download)
+    except (RuntimeError, OSError) as error:
+        raise _missing(root, "CIFAR10") from error
+    return train, val
+
+
+def image_folders(train_dir: str, val_dir: str, size: int) -> tuple[Dataset, Dataset]:
+    """ImageNet-style folders (one sub-folder per class) with the usual random-resized-crop training."""
+    from torchvision import datasets, transforms
+
+    for flag, path in (("--train-dir", train_dir), ("--val-dir", val_dir)):
+        if not Path(path).is_dir():
+            raise UserError(
+                f"{flag} {path!r} is not a folder: give an ImageNet-style folder with one sub-folder per class"
+            )
+    normalise = transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    augment = transforms.Compose(
+        [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalise]
+    )
+    plain = transforms.Compose(
+        [transforms.Resize(int(size * 256 / 224)), transforms.CenterCrop(size), transforms.ToTensor(), normalise]
+    )
+    try:
+        train = datasets.ImageFolder(train_dir, transform=augment)
+        val = datasets.ImageFolder(val_dir, transform=plain)
+    except (FileNotFoundError, OSError) as error:
+        raise UserError(
+            f"cannot read the image folders ({error}); each needs one sub-folder of images per class"
+        ) from None
+    if train.classes != val.classes:
+        raise UserError(
+            f"--train-dir has classes {train.classes[:5]}... but --val-dir has {val.classes[:5]}...; they must match"
+        )
+    if len(train.classes) < 2:
+        raise UserError(
+            f"--train-dir {train_dir!r} has {len(train.classes)} class folder: a classifier needs at least two"
+        )
+    return train, val

@@ -1,0 +1,153 @@
+"""Numbers derived once from the flags, the world and the data: the global batch, the learning rate, steps per
+epoch and warmup steps, and each epoch's per-step plan (this rank's samples in every micro-batch, what their
+loss is divided by, the step's global batch and LR factor), for plain, accumulated and traced runs alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DistributedSampler
+
+import batch_trace
+from config import UserError
+
+
+def lr_factor(rule: str, batch: float, ref_batch: float) -> float:
+    """The one LR-scaling rule, for --lr-scaling and --batch-lr-rule alike: x1 (keep, none), x batch / ref
+    (linear), x sqrt(batch / ref) (sqrt, root)."""
+    if rule in ("keep", "none", "adascale"):
+        return 1.0
+    if rule == "linear":
+        return batch / ref_batch
+    if rule in ("sqrt", "root"):
+        return math.sqrt(batch / ref_batch)
+    raise ValueError(f"unknown LR scaling rule {rule!r}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as this rank sees it."""
+
+    micro_batches: list[list[int]]  # this rank's sample indices, one list per micro-batch (none on an idle rank)
+    divisor: int  # each micro-batch's summed loss is divided by this: the samples the step's gradient averages
+    batch: int  # the step's global batch: samples over all ranks
+    lr_factor: float = 1.0  # the step's LR is the schedule's x this (a trace's linear/root rule)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does, step by step; frozen, computed once, before any process group exists."""
+
+    num_train: int
+    world_size: int
+    micro_batch: int  # --batch-size: samples per forward pass on one rank
+    accum_steps: int
+    seed: int
+    lr: float  # the schedule's base LR: --base-lr after --lr-scaling
+    global_batch: int  # samples per step (a traced run: the reference batch its LR is given for)
+    steps_per_epoch: int  # a traced run: the average, which the schedule counts epochs in
+    total_steps: int
+    warmup_steps: int
+    trace: tuple[int, ...] | None = None
+    batch_lr_rule: str = "none"
+    repeat_last: bool = False
+
+    @property
+    def traced(self) -> bool:
+        return self.trace is not None
+
+    def lr_factor_at(self, step: int) -> float:
+        """The LR factor of run step `step` (0-based) that the plan knows ahead: a trace's linear/root rule."""
+        if not self.traced:
+            return 1.0
+        return lr_factor(self.batch_lr_rule, batch_trace.batch_at(list(self.trace), step, True), self.global_batch)
+
+    def describe(self) -> str:
+        if self.traced:
+            return (
+                f"global batch from the trace, {min(self.trace)}..{max(self.trace)} (LR given for {self.global_batch})"
+            )
+        return f"global batch {self.global_batch}"
+
+    def summary(self) -> dict:
+        """The derived numbers, for config.json."""
+        return {"world_size": self.world_size, "global_batch_size": self.global_batch, "effective_lr": self.lr,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "train_samples": self.num_train}  # fmt: skip
+
+    def epoch(self, epoch: int, rank: int, first_trace_step: int = 0) -> list[Step]:
+        """The steps of `epoch` on `rank`; a traced epoch starts at trace row `first_trace_step`."""
+        if self.traced:
+            return self._traced_epoch(epoch, rank, first_trace_step)
+        # DistributedSampler: a new shuffle each epoch (set_epoch), padded so that every rank takes as many steps.
+        sampler = DistributedSampler(range(self.num_train), self.world_size, rank, shuffle=True, seed=self.seed)
+        sampler.set_epoch(epoch)
+        micro = torch.tensor(list(sampler)).split(self.micro_batch)
+        steps = []
+        for start in range(0, len(micro), self.accum_steps):
+            group = [m.tolist() for m in micro[start : start + self.accum_steps]]
+            steps.append(Step(group, sum(map(len, group)), sum(map(len, group)) * self.world_size))
+        return steps
+
+    def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:
+        """Trace step i takes the next B_i samples of the epoch's permutation, cut into micro-batches dealt
+        round-robin; every rank divides by B_i, and the summed gradients are the exact mean over them."""
+        steps = []
+        for _, indices in batch_trace.epoch_steps(
+            self.num_train, list(self.trace), first_step, self.seed, epoch, self.repeat_last
+        ):
+            mine = [m.tolist() for m in batch_trace.deal(indices, self.micro_batch, self.world_size, rank)]
+            batch = len(indices)
+            steps.append(Step(mine, batch, batch, lr_factor(self.batch_lr_rule, batch, self.global_batch)))
+        return steps
+
+
+def make(
+    *, num_train: int, world_size: int, micro_batch: int, accum_steps: int, epochs: int, seed: int,
+    base_lr: float, lr_scaling: str, base_batch: int, warmup_epochs: float,
+    trace: list[int] | None = None, batch_lr_rule: str = "none", ref_batch: int | None = None,
+    trace_end: str = "error",
+) -> Plan:  # fmt: skip
+    """The plan for these numbers; an impossible combination is a UserError that names the fix."""
+    if trace is None:
+        global_batch = micro_batch * world_size * accum_steps
+        if global_batch > num_train:
+            raise UserError(
+                f"the global batch {global_batch} (--batch-size {micro_batch} x {world_size} processes x "
+                f"--accum-steps {accum_steps}) exceeds the {num_train} training samples: lower --batch-size"
+            )
+        per_rank = math.ceil(num_train / world_size)
+        steps_per_epoch = math.ceil(math.ceil(per_rank / micro_batch) / accum_steps)
+        total_steps = epochs * steps_per_epoch
+    else:
+        if accum_steps > 1:
+            raise UserError("--batch-trace sets the accumulation of every step itself: drop --accum-steps")
+        batch_trace.check_trace(trace, micro_batch)
+        total_steps = batch_trace.steps_needed(num_train, trace, epochs, seed)
+        if total_steps == 0:
+            raise UserError(f"the trace's first batch ({trace[0]}) is larger than the {num_train} training samples")
+        if trace_end == "error" and len(trace) < total_steps:
+            raise UserError(
+                f"the trace has {len(trace)} steps but {epochs} epochs need {total_steps}: "
+                "extend it, train fewer epochs, or pass --trace-end repeat-last"
+            )
+        global_batch = ref_batch or trace[0]
+        steps_per_epoch = max(1, round(total_steps / epochs))
+    return Plan(
+        num_train=num_train,
+        world_size=world_size,
+        micro_batch=micro_batch,
+        accum_steps=accum_steps,
+        seed=seed,
+        lr=base_lr * lr_factor(lr_scaling, global_batch, base_batch),
+        global_batch=global_batch,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        warmup_steps=min(round(warmup_epochs * steps_per_epoch), total_steps),
+        trace=tuple(trace) if trace is not None else None,
+        batch_lr_rule=batch_lr_rule,
+        repeat_last=trace_end == "repeat-last",
+    )

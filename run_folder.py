@@ -1,0 +1,141 @@
+"""A run is a folder: runs/<name>/ holds config.json, metrics.csv, train.log, workers.json and TensorBoard events
+(beside the checkpoints and plots). Rank 0 writes; an existing run is never overwritten silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from config import UserError
+
+log = logging.getLogger("ddp_tricks")
+RUN_FILES = ("metrics.csv", "last.pt", "best.pt", "config.json")
+
+
+def check(path: Path, resume: bool, overwrite: bool) -> None:
+    """Before any process group: the folder can be written, and holds no other run unless asked to."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise OSError(f"{existing} is not a folder")
+        tempfile.TemporaryDirectory(dir=existing).cleanup()  # a real write: os.access lets root through anywhere
+    except OSError:
+        raise UserError(f"cannot write the run folder {str(path)!r}: choose a writable --runs-dir") from None
+    if not resume and not overwrite and any((path / name).exists() for name in RUN_FILES):
+        raise UserError(
+            f"{str(path)!r} already holds a run: continue it with --resume auto, start over with --overwrite "
+            "(clears the folder), or choose another --name"
+        )
+
+
+def metric_columns(task) -> list[str]:
+    """metrics.csv's columns: the task's reported metrics for training and validation, then the run's numbers."""
+    names = ["loss", *getattr(task, "better", {})]
+    return ["epoch", "step", *(f"train_{n}" for n in names), *(f"val_{n}" for n in names), "lr", "global_batch",
+            "epoch_seconds", "samples_per_second", "skipped_steps"]  # fmt: skip
+
+
+class RunFolder:
+    """The files of one run; every method is a no-op on ranks other than 0 unless it says otherwise."""
+
+    def __init__(self, path: Path, is_main: bool, columns: list[str]):
+        self.path = Path(path)
+        self.is_main = is_main
+        self.columns = columns
+        self._tensorboard = None
+
+    def start(self, config: dict, completed_epochs: int, overwrite: bool, tensorboard: bool) -> None:
+        """Clear the folder (--overwrite of a fresh run), write config.json, keep metrics.csv rows through the
+        checkpoint's epoch (a resumed run), and send the log to stdout and train.log."""
+        log.handlers.clear()
+        log.propagate = False
+        if not self.is_main:
+            log.setLevel(logging.ERROR)
+            return
+        if overwrite and completed_epochs == 0 and self.path.exists():
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        log.setLevel(logging.INFO)
+        for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(self.path / "train.log")):
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(handler)
+        (self.path / "config.json").write_text(json.dumps(config | provenance(), indent=2))
+        self._keep_metrics_through(completed_epochs)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.path / "tb"))
+
+    def record_workers(self, pids: list[int]) -> None:
+        """workers.json: each rank's process id (for operators, and the restart test)."""
+        if self.is_main:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            (self.path / "workers.json").write_text(json.dumps({"pids": pids, "restart": restart}))
+
+    def append(self, row: dict) -> None:
+        if not self.is_main:
+            return
+        path = self.path / "metrics.csv"
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns, restval="nan", extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        if self._tensorboard is not None:
+            for key in self.columns[2:]:
+                if key in row:
+                    self._tensorboard.add_scalar(key, row[key], row["epoch"])
+            self._tensorboard.flush()
+
+    def _keep_metrics_through(self, last_epoch: int) -> None:
+        """On resume, drop rows of epochs after the checkpoint (they are about to be trained again)."""
+        path = self.path / "metrics.csv"
+        if not path.exists():
+            return
+        with open(path, newline="") as f:
+            rows = [row for row in csv.DictReader(f) if int(row["epoch"]) <= last_epoch]
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns, restval="nan", extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def describe(row: dict) -> str:
+    """`train loss 0.1234 acc 0.9512 | val loss 0.2345 acc 0.9301`, from a metrics row."""
+    parts = []
+    for prefix in ("train", "val"):
+        values = [f"{k[len(prefix) + 1 :]} {v:.4f}" for k, v in row.items() if k.startswith(prefix + "_")]
+        if values:
+            parts.append(f"{prefix} " + " ".join(values))
+    return " | ".join(parts)
+
+
+def task_info(task) -> dict:
+    """What the task found in its data (its plain attributes: number of classes, input channels, ...)."""
+    return {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool, tuple))}
+
+
+def provenance() -> dict:
+    """What a reader needs to reproduce a run besides its flags: the command, torch, the git commit, the time."""
+    import torch
+
+    try:
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"command": sys.argv, "torch_version": str(torch.__version__), "git_commit": commit,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip

@@ -1,0 +1,101 @@
+"""WHAT is trained: the datasets, the model, the loss and the metrics. The one file a fork edits.
+
+The rest of the template (DDP, exact evaluation, accumulation, AMP, LARS/LAMB/Lookahead, schedules, early
+stopping, batch traces, checkpoints, preemption, plots) reads a task through these names only:
+
+    add_arguments(parser)        optional staticmethod: the task's own flags (shown by `run.py --help`)
+    __init__(self, args)         the parsed flags: the task's own and the template's
+    datasets(self)               -> (train_set, val_set): torch Datasets of (input, target) pairs
+    model(self)                  -> nn.Module; called after datasets(), so it can use what they showed
+    loss(self, outputs, targets) -> the MEAN loss over the batch (a scalar tensor)
+    metric_sums(self, outputs, targets)  optional: {name: SUM over the batch}; sums stay exact across ranks
+    metrics(self, sums, count)   optional: {reported name: value} from the sums over a whole set
+                                 (default: each sum / count, under the sum's name)
+    better = {"acc": "max"}      every reported metric besides the loss, and whether higher or lower is better
+    monitor = "loss"             the validation metric that picks best.pt and drives early stopping and
+                                 ReduceLROnPlateau (`--monitor NAME` chooses another reported one)
+
+`python run.py --task path/to/file.py:ClassName` trains a task from another file; examples/ has two.
+Heavy imports (torch, torchvision) sit inside the methods so that `run.py --help` answers at once.
+"""
+
+from __future__ import annotations
+
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "imagefolder", "mnist-idx")
+
+
+class Task:
+    """Image classification: digits (default, ships with scikit-learn), MNIST-like, CIFAR-10, image folders;
+    the small CNN or any torchvision classifier; cross-entropy; top-1 accuracy."""
+
+    better = {"acc": "max"}
+    monitor = "loss"
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        g = parser.add_argument_group("task: image classification (task.py)")
+        g.add_argument("--dataset", choices=DATASETS, default="digits",
+                       help="digits: scikit-learn's bundled 8x8 digits, no download")  # fmt: skip
+        g.add_argument("-d", "--data-root", "--data_path", dest="data_root", default="data",
+                       help="folder holding mnist/fashion-mnist/cifar10/mnist-idx files")  # fmt: skip
+        g.add_argument("--download", action="store_true", help="let torchvision download the dataset")
+        g.add_argument("--train-dir", default=None, help="imagefolder: training images, one folder per class")
+        g.add_argument("--val-dir", default=None, help="imagefolder: validation images, one folder per class")
+        g.add_argument("--image-size", type=int, default=224, help="imagefolder: crop size")
+        g.add_argument("--model", default="toy",
+                       help="toy (a small CNN for any input size) or a torchvision classifier name")  # fmt: skip
+        g.add_argument("--init", choices=("default", "he"), default="default",
+                       help="he: Kaiming-normal init of conv and linear weights")  # fmt: skip
+        g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
+
+    def __init__(self, args):
+        from config import UserError
+
+        if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
+            raise UserError("--dataset imagefolder needs --train-dir and --val-dir (one sub-folder per class)")
+        if not 0.0 <= args.label_smoothing < 1.0:
+            raise UserError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
+        if args.image_size < 1:
+            raise UserError(f"--image-size must be a positive integer, got {args.image_size}")
+        import models
+
+        models.check_name(args.model)
+        self.args = args
+
+    def datasets(self):
+        import image_data
+
+        a = self.args
+        if a.dataset == "digits":
+            train, val = image_data.digits()
+        elif a.dataset == "mnist-idx":
+            train, val = image_data.mnist_idx(a.data_root)
+        elif a.dataset in ("mnist", "fashion-mnist"):
+            train, val = image_data.mnist_like(a.dataset, a.data_root, a.download)
+        elif a.dataset == "cifar10":
+            train, val = image_data.cifar10(a.data_root, a.download)
+        else:
+            train, val = image_data.image_folders(a.train_dir, a.val_dir, a.image_size)
+        self.in_channels = train[0][0].shape[0]
+        self.num_classes = count_classes(train, val)
+        return train, val
+
+    def model(self):
+        import models
+
+        return models.build(self.args.model, self.in_channels, self.num_classes, self.args.init)
+
+    def loss(self, outputs, targets):
+        import torch.nn.functional as F
+
+        return F.cross_entropy(outputs, targets, label_smoothing=self.args.label_smoothing)
+
+    def metric_sums(self, outputs, targets):
+        return {"acc": (outputs.argmax(1) == targets).sum()}
+
+
+def count_classes(train, val) -> int:
+    """The number of classes, from the data: a dataset's `classes`, else the largest label + 1."""
+    if hasattr(train, "classes"):
+        return len(train.classes)
+    return int(max(train.targets.max(), val.targets.max())) + 1

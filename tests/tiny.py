@@ -1,0 +1,38 @@
+"""Small pieces for tests: a minimal classification task and a Training around any model and optimizer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import data
+from engine import Training
+from precision import Precision
+from schedulers import Schedule, WarmupDecay
+
+CPU = torch.device("cpu")
+
+
+class Classify:
+    """Cross-entropy and top-1 accuracy: what task.Task does, without its datasets."""
+
+    better = {"acc": "max"}
+    monitor = "loss"
+
+    def loss(self, outputs, targets):
+        return nn.functional.cross_entropy(outputs, targets)
+
+    def metric_sums(self, outputs, targets):
+        return {"acc": (outputs.argmax(1) == targets).sum()}
+
+
+def training(model, optimizer, schedule=None, amp="off", **options) -> Training:
+    schedule = schedule or Schedule(WarmupDecay(optimizer, 0, 0))
+    return Training(model, optimizer, schedule, Classify(), ["acc"], Precision(amp, CPU), CPU, **options)
+
+
+def loader_for(dataset, steps, rank=0, first_step=0):
+    """The training loader of run.py, pointed at `steps` (a plan's epoch)."""
+    loader = data.train_loader(dataset, rank, CPU, seed=0)
+    loader.batch_sampler.start(steps, first_step)
+    return loader
