@@ -128,11 +128,22 @@ def test_resume_missing_file(tmp_path, capsys):
     _fails(["--resume", str(tmp_path / "nope.pt"), "--runs-dir", str(tmp_path)], "does not exist", capsys)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x00garbage" * 100, b"PK\x03\x04truncated"], ids=["empty", "random", "zip"])
+def _not_ours(path):
+    return (
+        f"error: checkpoint {str(path)!r} is not a checkpoint written by this project (or is corrupt); "
+        "pick another file or start without --resume"
+    )
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x00garbage" * 100, b"PK\x03\x04truncated", bytes(range(256)) * 40],
+    ids=["empty", "garbage", "zip", "random"],
+)
 def test_corrupt_checkpoint(content, tmp_path, capsys):
     path = tmp_path / "bad.pt"
     path.write_bytes(content)
-    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], _not_ours(path), capsys)
     assert path.read_bytes() == content
 
 
@@ -141,7 +152,7 @@ def test_truncated_checkpoint(tmp_path, capsys):
     torch.save({"model": {"w": torch.zeros(1000)}, "epoch": 1}, good)
     bad = tmp_path / "bad.pt"
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    _fails(["--resume", str(bad), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+    _fails(["--resume", str(bad), "--runs-dir", str(tmp_path)], _not_ours(bad), capsys)
 
 
 class _Exploit:
@@ -153,13 +164,19 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, capsys):
     path = tmp_path / "evil.pt"
     with open(path, "wb") as f:
         pickle.dump({"model": _Exploit(), "epoch": 1}, f)
-    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+    assert run.main(["--resume", str(path), "--runs-dir", str(tmp_path), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [_not_ours(path)] and "this checkpoint ran code" not in out
 
 
 def test_checkpoint_not_from_run_py(tmp_path, capsys):
     path = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(3)}, path)
-    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "was not written by run.py", capsys)
+    _fails(
+        ["--resume", str(path), "--runs-dir", str(tmp_path)],
+        "is not a checkpoint written by this project (it has no model/epoch entries)",
+        capsys,
+    )
 
 
 def test_checkpoint_of_another_model(tmp_path, capsys):

@@ -1,13 +1,16 @@
 """No surprises (#12): the command line says what it does, checkpoints and traces fail in plain words, files get
 the usual permissions, the sweep's defaults fit its epochs. Bad-flag messages: test_bad_input's catalogue."""
 
+import os
 import re
+import stat
 import subprocess
 import sys
 
 import pytest
 from multiproc import REPO
 
+import checkpoint
 import config
 
 
@@ -71,3 +74,17 @@ def test_config_does_not_import_torch():
     code = "import sys, config; config.parse(['--epochs', '2', '-t', 'cosine']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_checkpoint_gets_the_permissions_of_any_new_file(umask, tmp_path):
+    previous = os.umask(umask)
+    try:
+        (tmp_path / "plain.txt").write_text("a file made the ordinary way")
+        checkpoint.save({"model": {}, "epoch": 1}, tmp_path / "last.pt")
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "last.pt").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o666 & ~umask
+    assert checkpoint.load(tmp_path / "last.pt") == {"model": {}, "epoch": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "plain.txt"]  # no temporary file left
