@@ -10,8 +10,10 @@ import sys
 import pytest
 from multiproc import REPO
 
+import batch_trace
 import checkpoint
 import config
+import run
 
 
 @pytest.mark.parametrize("flag", ["-l", "--base-lr", "--learning-rate", "--learning_rate", "--lr"])
@@ -88,3 +90,47 @@ def test_checkpoint_gets_the_permissions_of_any_new_file(umask, tmp_path):
     assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o666 & ~umask
     assert checkpoint.load(tmp_path / "last.pt") == {"model": {}, "epoch": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "plain.txt"]  # no temporary file left
+
+
+def _not_a_multiple(path, where, batch, micro_batch):
+    return (
+        f"{str(path)!r} {where}: batch size {batch} is not a positive multiple of the micro-batch "
+        f"(--batch-size {micro_batch})"
+    )
+
+
+def test_a_trace_error_names_the_file_line_and_step(tmp_path):
+    path = tmp_path / "trace.csv"
+    # line 1 the header, lines 2-3 steps 0-1, line 4 blank, line 5 step 3 (the file's own step numbers)
+    path.write_text("step,batchsize\n0,32\n1,64\n\n3,48\n")
+    with pytest.raises(batch_trace.UserError) as error:
+        batch_trace.check_trace(batch_trace.load_trace(path), 32)
+    assert str(error.value) == _not_a_multiple(path, "line 5 (step 3)", 48, 32)
+    with pytest.raises(batch_trace.UserError) as error:  # the original API says the same
+        batch_trace.CustomSampler(list(range(100)), str(path), num_replicas=1, rank=0, minibatch_size=32)
+    assert str(error.value) == _not_a_multiple(path, "line 5 (step 3)", 48, 32)
+
+
+def test_a_trace_without_a_step_column_names_the_line(tmp_path):
+    path = tmp_path / "sizes.csv"
+    path.write_text("batchsize\n16\n0\n")
+    with pytest.raises(batch_trace.UserError) as error:
+        batch_trace.check_trace(batch_trace.load_trace(path), 16)
+    assert str(error.value) == _not_a_multiple(path, "line 3", 0, 16)
+
+
+def test_a_trace_given_as_a_list_still_names_the_step():
+    assert batch_trace.load_trace([8, 16]) == [8, 16]
+    with pytest.raises(batch_trace.UserError, match=r"^trace step 1: batch size 20 is not a positive multiple"):
+        batch_trace.check_trace([16, 20], 8)
+    with pytest.raises(batch_trace.UserError, match=r"^row B: batch size 20"):
+        batch_trace.check_trace([16, 20], 8, where=["row A", "row B"])
+
+
+def test_run_py_names_the_trace_line_and_step(tmp_path, capsys):
+    path = tmp_path / "trace.csv"
+    path.write_text("step,batchsize\n0,32\n1,32\n2,40\n")
+    argv = ["--batch-trace", str(path), "--batch-size", "16", "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: " + _not_a_multiple(path, "line 4 (step 2)", 40, 16)]
