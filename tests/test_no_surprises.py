@@ -1,6 +1,7 @@
 """No surprises (#12): the command line says what it does, checkpoints and traces fail in plain words, files get
 the usual permissions, the sweep's defaults fit its epochs. Bad-flag messages: test_bad_input's catalogue."""
 
+import importlib.util
 import os
 import re
 import stat
@@ -134,3 +135,74 @@ def test_run_py_names_the_trace_line_and_step(tmp_path, capsys):
     assert run.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: " + _not_a_multiple(path, "line 4 (step 2)", 40, 16)]
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("sweep", REPO / "tools" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("epochs, warmup", [(1, 0.5), (3, 1.5), (4, 2.0), (10, 2.0)])
+def test_sweep_warmup_fits_the_epochs(epochs, warmup):
+    assert _sweep().default_warmup(epochs) == warmup
+
+
+TORCHRUN_REPORT = """W1122 06:15:50 torch/distributed/run.py:792] Setting OMP_NUM_THREADS environment variable to 1
+{error}
+E1122 06:15:53 api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 5475)
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+  exitcode  : 2 (pid: 5475)
+  error_file: <N/A>
+"""
+
+
+def test_a_failed_sweep_cell_shows_run_py_s_error_first(tmp_path, monkeypatch, capsys):
+    sweep = _sweep()
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        error = "error: --momentum acts only with --optimizer sgd or --optimizer lars, so it would be ignored"
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=TORCHRUN_REPORT.format(error=error))
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="error: cell adam-b32 failed"):
+        sweep.main(["--batch-sizes", "32", "--optimizers", "adam", "--epochs", "1", "--out", str(tmp_path)])
+    cmd = commands[0]
+    assert cmd[cmd.index("--warmup-epochs") + 1] == "0.5" and cmd[cmd.index("--epochs") + 1] == "1"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "error: --momentum acts only with --optimizer sgd or --optimizer lars, so it would be ignored"
+    assert "  error_file: <N/A>" in err  # the rest follows
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("error: --epochs: must be a positive integer", "error: --epochs: must be a positive integer"),
+        ("[rank0]: error: the trace has 3 steps", "error: the trace has 3 steps"),
+        ("error on rank 1: out of memory", "error on rank 1: out of memory"),
+        ("  error_file: <N/A>", None),
+    ],
+)
+def test_sweep_finds_run_py_s_error_line(line, expected):
+    error, rest = _sweep().split_error(f"noise before\n{line}\nnoise after\n")
+    assert error == expected
+    assert rest == ("noise before\nnoise after" if expected else f"noise before\n{line}\nnoise after\n")
+
+
+def test_sweep_passes_no_reference_batch_to_keep_scaling(tmp_path, monkeypatch):
+    sweep = _sweep()
+    commands = []
+    monkeypatch.setattr(sweep, "summarise", lambda run_dir: {})
+    monkeypatch.setattr(sweep, "write_results", lambda *a: None)
+    monkeypatch.setattr(sweep.plots, "accuracy_vs_batch", lambda *a: None)
+    monkeypatch.setattr(sweep.plots, "overlay", lambda *a: None)
+    monkeypatch.setattr(
+        sweep.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0)
+    )
+    argv = ["--batch-sizes", "64", "--optimizers", "sgd", "--lr-scaling", "sgd=keep", "--out", str(tmp_path)]
+    assert sweep.main(argv) == 0
+    assert "--base-batch-size" not in commands[0] and config.parse(commands[0][commands[0].index("--optimizer") :])
