@@ -20,38 +20,59 @@ import torch.distributed as dist
 from config import UserError
 
 
+class Trace(list):
+    """Batch sizes by step (a list of ints) that remembers where each one is in its file, for messages:
+    `where[i]` is e.g. "'trace.csv' line 5 (step 3)" (line 1 is the header; the step is the file's own)."""
+
+    def __init__(self, sizes: list[int], where: list[str]):
+        super().__init__(sizes)
+        self.where = where
+
+
 def load_trace(source: str | Path | list[int] | int) -> list[int]:
-    """Batch sizes by step from a CSV (`step,batchsize` or a single `batchsize` column), a list, or one int."""
+    """Batch sizes by step from a CSV (`step,batchsize` or a single `batchsize` column), a list, or one int.
+    From a file, the list is a `Trace` that names each row's line (and step) for check_trace's messages."""
     if isinstance(source, int):
         return [source]
     if isinstance(source, (list, tuple)):
         return [int(b) for b in source]
     path = Path(source)
+    name = repr(str(path))
     if not path.is_file():
-        raise UserError(f"--batch-trace {str(path)!r} does not exist: give a CSV with a header `step,batchsize`")
+        raise UserError(f"--batch-trace {name} does not exist: give a CSV with a header `step,batchsize`")
     with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows or "batchsize" not in [h.strip() for h in rows[0]]:
-        raise UserError(f"{str(path)!r} line 1: expected a header with a `batchsize` column (e.g. `step,batchsize`)")
-    column = [h.strip() for h in rows[0]].index("batchsize")
-    trace = []
-    for line, row in enumerate(rows[1:], start=2):
-        if not row or all(not cell.strip() for cell in row):
-            continue
-        try:
-            trace.append(int(row[column]))
-        except (ValueError, IndexError):
-            raise UserError(f"{str(path)!r} line {line}: {','.join(row)!r} has no integer batch size") from None
-    if not trace:
-        raise UserError(f"{str(path)!r} has no rows: give one batch size per optimizer step")
-    return trace
+        reader = csv.reader(f)
+        header = [h.strip() for h in next(reader, [])]
+        if "batchsize" not in header:
+            raise UserError(f"{name} line 1: expected a header with a `batchsize` column (e.g. `step,batchsize`)")
+        column = header.index("batchsize")
+        step_column = header.index("step") if "step" in header else None
+        sizes, where = [], []
+        for row in reader:
+            if not row or all(not cell.strip() for cell in row):
+                continue
+            here = f"{name} line {reader.line_num}"
+            if step_column is not None and step_column < len(row) and row[step_column].strip():
+                here += f" (step {row[step_column].strip()})"
+            try:
+                sizes.append(int(row[column]))
+            except (ValueError, IndexError):
+                raise UserError(f"{here}: {','.join(row)!r} has no integer batch size") from None
+            where.append(here)
+    if not sizes:
+        raise UserError(f"{name} has no rows: give one batch size per optimizer step")
+    return Trace(sizes, where)
 
 
-def check_trace(trace: list[int], micro_batch: int) -> None:
+def check_trace(trace: list[int], micro_batch: int, where: list[str] | None = None) -> None:
+    """Every batch size a positive multiple of the micro-batch. `where[i]` names row i in the message
+    (default: a Trace's own, else "trace step i")."""
+    where = where if where is not None else getattr(trace, "where", None)
     for step, batch in enumerate(trace):
         if batch < 1 or batch % micro_batch:
+            label = where[step] if where is not None else f"trace step {step}"
             raise UserError(
-                f"trace step {step}: batch size {batch} is not a positive multiple of the micro-batch "
+                f"{label}: batch size {batch} is not a positive multiple of the micro-batch "
                 f"(--batch-size {micro_batch})"
             )
 

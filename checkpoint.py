@@ -1,6 +1,6 @@
 """Checkpoints: what one holds (`capture` and `restore` of a training state: weights, optimizer, schedule,
 scaler, early stopping, AdaScale, counters, every rank's RNG and mid-epoch sums), atomic save (temporary file,
-fsync, os.replace), safe load (`weights_only=True`), and which file `--resume` means.
+fsync, os.replace, the usual file permissions), safe load (`weights_only=True`), and which file `--resume` means.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,14 @@ from distributed import gather_from_ranks, gather_objects
 
 
 def save(state: dict[str, Any], path: str | Path) -> None:
-    """Write `state` to `path` atomically: a crash mid-write leaves the previous file intact."""
+    """Write `state` to `path` atomically: a crash mid-write leaves the previous file intact. The file gets
+    the permissions the umask gives any new file (mkstemp's own are 0600)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0o022)  # reading the umask means setting it: put it back at once
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -45,15 +50,16 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"checkpoint {str(path)!r} does not exist: give the path of a last.pt/best.pt, or --resume auto"
         )
+    not_ours = f"checkpoint {str(path)!r} is not a checkpoint written by this project"
+    fix = "pick another file or start without --resume"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated, random bytes, pickled code: all unreadable here
-        reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
-        raise UserError(
-            f"checkpoint {str(path)!r} is unreadable ({reason}); pick another file or start without --resume"
-        ) from None
+        with warnings.catch_warnings():  # torch warns about what it then refuses: the one line below says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # empty, truncated, random bytes, pickled code or classes: torch's text is no help here
+        raise UserError(f"{not_ours} (or is corrupt); {fix}") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
-        raise UserError(f"checkpoint {str(path)!r} was not written by run.py (no model/epoch entries)")
+        raise UserError(f"{not_ours} (it has no model/epoch entries); {fix}")
     return state
 
 

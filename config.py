@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import difflib
 import importlib.util
 import os
 import sys
@@ -32,16 +34,53 @@ class UserError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors on one line (exit code 2, as argparse does)."""
+    """argparse that reports usage errors on one line (exit code 2, as argparse does) and suggests the flag
+    an unknown one was probably meant to be."""
 
     def error(self, message: str) -> None:  # noqa: D102 - argparse's own contract
         raise UserError(f"{message} (see `python run.py --help`)")
 
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's own contract
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._did_you_mean(extras)}")
+        return namespace
+
+    def _did_you_mean(self, extras: list[str]) -> str:
+        known = [option for action in self._actions for option in action.option_strings]
+        for token in extras:
+            flag = token.split("=", 1)[0]
+            if flag.startswith("-") and len(flag) > 2:
+                # suggest the dashed spellings; the original projects' snake_case ones only to snake_case
+                candidates = known if "_" in flag else [option for option in known if "_" not in option]
+                close = difflib.get_close_matches(flag, candidates, n=1)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it (on/off flags: off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.default is argparse.SUPPRESS
+            or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        ):
+            return text
+        return f"{text} (default: {'none' if action.default is None else '%(default)s'})"
+
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
 
 
@@ -49,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full command line. Long flags read as English; the original projects' spellings are aliases."""
     p = _Parser(
         prog="run.py",
+        formatter_class=_HelpFormatter,
         description="Train with DistributedDataParallel and large-batch tricks. "
         "Launch with `torchrun --nproc_per_node=N run.py ...` or plain `python run.py ...`.",
         allow_abbrev=False,
@@ -193,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "-l",
         "--base-lr",
+        "--learning-rate",
         "--learning_rate",
         "--lr",
         dest="base_lr",
@@ -235,13 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest="warmup_type",
         choices=("linear", "cosine"),
         default="linear",
-        help="cosine: warmup, then cosine decay to --end-lr",
+        help="cosine: warmup, then cosine decay to --end-lr (the same as --scheduler cosine)",
     )
     g.add_argument("--scheduler", choices=SCHEDULERS, default="constant", help="schedule after warmup")
     g.add_argument("--plateau-factor", type=float, default=0.1, help="plateau: LR multiplier on a cut")
     g.add_argument("--plateau-patience", type=int, default=2, help="plateau: epochs without improvement")
     g.add_argument("--lr-power", type=float, default=None, help="poly: decay power (default: 2 with LARS, else 1)")
-    g.add_argument("--end-lr", type=float, default=0.0, help="poly/cosine: final LR (default: 0)")
+    g.add_argument("--end-lr", type=float, default=0.0, help="poly/cosine: the LR of the run's last step (default: 0)")
     g.add_argument("--step-epochs", type=float, default=30.0, help="step: epochs between decays")
     g.add_argument("--step-gamma", type=float, default=0.1, help="step: LR multiplier at each decay")
     g.add_argument(
@@ -319,7 +360,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
     if hasattr(task_class, "add_arguments"):
         task_class.add_arguments(parser)
     cfg = parser.parse_args(argv)
-    check(cfg)
+    check(cfg, given_flags(parser, argv))
     cfg.monitor = monitored_metric(task_class, cfg.monitor)
     if cfg.name is None:
         cfg.name = time.strftime("%Y%m%d-%H%M%S")
@@ -393,36 +434,130 @@ def mode_of(task_class, monitor: str) -> str:
     return "min" if monitor == "val_loss" else getattr(task_class, "better", {})[monitor[4:]]
 
 
-def check(cfg: argparse.Namespace) -> None:
-    """Impossible values and combinations, found before any process exists."""
-    if cfg.base_lr <= 0:
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> set[str]:
+    """The destinations of the flags the command line spells out (not left at their defaults)."""
+    parser = copy.deepcopy(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+# Flags that act only with another setting: given without it, they would be accepted and ignored.
+_ONLY_WITH = (
+    (("lookahead_k", "lookahead_alpha"), lambda cfg: cfg.lookahead, "--lookahead"),
+    (("plateau_factor", "plateau_patience"), lambda cfg: cfg.scheduler == "plateau", "--scheduler plateau"),
+    (("step_epochs", "step_gamma"), lambda cfg: cfg.scheduler == "step", "--scheduler step"),
+    (("lr_power",), lambda cfg: cfg.scheduler == "poly", "--scheduler poly"),
+    (("end_lr",), lambda cfg: _decay(cfg) in ("poly", "cosine"), "--scheduler poly or --scheduler cosine"),
+    (
+        ("trust_coefficient", "epsilon"),
+        lambda cfg: cfg.optimizer == "lars" or cfg.lars_wrap,
+        "--optimizer lars or --lars-wrap",
+    ),
+    (("momentum", "nesterov"), lambda cfg: cfg.optimizer in ("sgd", "lars"), "--optimizer sgd or --optimizer lars"),
+    (("trace_end",), lambda cfg: cfg.batch_trace, "--batch-trace FILE"),
+    (
+        ("ref_batch_size",),
+        lambda cfg: cfg.batch_lr_rule in ("linear", "root") or (cfg.batch_trace and cfg.lr_scaling != "keep"),
+        "--batch-lr-rule linear or --batch-lr-rule root (or a trace with --lr-scaling linear or sqrt)",
+    ),
+    (("early_stop_delta",), lambda cfg: cfg.early_stop_patience > 0, "--early-stop-patience N"),
+    (("prefetch_factor",), lambda cfg: cfg.workers > 0, "--workers N"),
+    (("base_batch_size",), lambda cfg: cfg.lr_scaling != "keep", "--lr-scaling linear or --lr-scaling sqrt"),
+)
+
+
+def _decay(cfg: argparse.Namespace) -> str:
+    """What follows warmup (schedulers.decay_kind, without importing torch here)."""
+    return "cosine" if cfg.warmup_type == "cosine" and cfg.scheduler == "constant" else cfg.scheduler
+
+
+def _flag(parser: argparse.ArgumentParser, dest: str) -> str:
+    """The long spelling of a destination, as --help shows it first (e.g. `--end-lr`)."""
+    for action in parser._actions:
+        if action.dest == dest:
+            return next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+    return dest
+
+
+def check(cfg: argparse.Namespace, given: set[str] | frozenset[str] = frozenset()) -> None:
+    """Impossible values and combinations, found before any process exists. `given`: the flags spelled out
+    on the command line (`given_flags`), so a flag that would be ignored is refused rather than dropped."""
+    _check_values(cfg)
+    _check_combinations(cfg)
+    ignored = [(dest, needs) for dests, acts, needs in _ONLY_WITH for dest in dests if dest in given and not acts(cfg)]
+    if ignored:
+        dest, needs = ignored[0]
+        flag = _flag(build_parser(), dest)
+        raise UserError(
+            f"{flag} acts only with {needs}, so it would be ignored: add {needs.split(' or ')[0]} or drop {flag}"
+        )
+
+
+def _check_values(cfg: argparse.Namespace) -> None:
+    """One flag at a time. Written `not value > 0` so that nan is refused too."""
+    if not cfg.base_lr > 0:
         raise UserError(f"--base-lr must be > 0, got {cfg.base_lr}")
     if cfg.workers < 0:
         raise UserError(f"--workers must be >= 0, got {cfg.workers}")
-    if cfg.warmup_epochs < 0:
+    if not cfg.warmup_epochs >= 0:
         raise UserError(f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
     if cfg.warmup_epochs > cfg.epochs:
         raise UserError(f"--warmup-epochs {cfg.warmup_epochs} exceeds --epochs {cfg.epochs}; shorten the warmup")
     if not 0.0 <= cfg.momentum < 1.0:
         raise UserError(f"--momentum must be in [0, 1), got {cfg.momentum}")
-    if cfg.weight_decay < 0:
+    if not cfg.weight_decay >= 0:
         raise UserError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
     if not 0.0 < cfg.lookahead_alpha <= 1.0:
         raise UserError(f"--lookahead-alpha must be in (0, 1], got {cfg.lookahead_alpha}")
-    if cfg.trust_coefficient <= 0:
+    if not cfg.trust_coefficient > 0:
         raise UserError(f"--trust-coefficient must be > 0, got {cfg.trust_coefficient}")
+    if not cfg.epsilon >= 0:
+        raise UserError(f"--epsilon must be >= 0, got {cfg.epsilon}")
     if not 0.0 < cfg.plateau_factor < 1.0:
         raise UserError(f"--plateau-factor must be in (0, 1), got {cfg.plateau_factor}")
-    if cfg.batch_trace and cfg.accum_steps > 1:
-        raise UserError("--batch-trace sets the accumulation of every step itself: drop --accum-steps")
-    if cfg.batch_lr_rule != "none" and not cfg.batch_trace:
-        raise UserError("--batch-lr-rule needs --batch-trace FILE")
+    if cfg.plateau_patience < 0:
+        raise UserError(f"--plateau-patience must be >= 0 (epochs without improvement), got {cfg.plateau_patience}")
+    if not cfg.step_epochs > 0:
+        raise UserError(f"--step-epochs must be > 0 (epochs between decays), got {cfg.step_epochs}")
+    if not 0.0 < cfg.step_gamma <= 1.0:
+        raise UserError(f"--step-gamma must be in (0, 1], got {cfg.step_gamma}")
+    if not cfg.end_lr >= 0:
+        raise UserError(f"--end-lr must be >= 0, got {cfg.end_lr}")
+    if cfg.lr_power is not None and not cfg.lr_power > 0:
+        raise UserError(f"--lr-power must be > 0, got {cfg.lr_power}")
+    if not cfg.dist_timeout > 0:
+        raise UserError(f"--dist-timeout must be > 0 seconds, got {cfg.dist_timeout}")
+    if not cfg.bucket_cap_mb > 0:
+        raise UserError(f"--bucket-cap-mb must be > 0, got {cfg.bucket_cap_mb}")
+    if not cfg.early_stop_delta >= 0:
+        raise UserError(f"--early-stop-delta must be >= 0, got {cfg.early_stop_delta}")
     if cfg.checkpoint_every_steps < 0:
         raise UserError(f"--checkpoint-every-steps must be >= 0, got {cfg.checkpoint_every_steps}")
     if cfg.early_stop_patience < 0:
         raise UserError(f"--early-stop-patience must be >= 0, got {cfg.early_stop_patience}")
-    if cfg.clip_grad_norm < 0:
+    if not cfg.clip_grad_norm >= 0:
         raise UserError(f"--clip-grad-norm must be >= 0, got {cfg.clip_grad_norm}")
+    if cfg.name is not None and ("/" in cfg.name or cfg.name in ("", ".", "..")):
+        raise UserError(f"--name {cfg.name!r} must be a plain folder name, without '/'")
+
+
+def _check_combinations(cfg: argparse.Namespace) -> None:
+    """Flags that contradict each other, and what the machine or the installed packages cannot do."""
+    if cfg.optimizer == "lars" and cfg.lars_wrap:
+        raise UserError(
+            "--lars-wrap wraps the optimizer in LARS and --optimizer lars is LARS already: use one of them "
+            "(--optimizer lars, or --optimizer sgd --lars-wrap)"
+        )
+    if cfg.warmup_type == "cosine" and cfg.scheduler not in ("constant", "cosine"):
+        raise UserError(
+            f"--warmup-type cosine means cosine decay after warmup, but --scheduler {cfg.scheduler} asks for "
+            f"another decay: keep --scheduler {cfg.scheduler} with --warmup-type linear, or use --scheduler cosine"
+        )
+    if cfg.batch_trace and cfg.accum_steps > 1:
+        raise UserError("--batch-trace sets the accumulation of every step itself: drop --accum-steps")
+    if cfg.batch_lr_rule != "none" and not cfg.batch_trace:
+        raise UserError("--batch-lr-rule needs --batch-trace FILE")
     if cfg.nesterov and cfg.momentum == 0:
         raise UserError("--nesterov needs --momentum > 0")
     if cfg.device == "cpu" and cfg.backend == "nccl":
@@ -436,8 +571,6 @@ def check(cfg: argparse.Namespace) -> None:
             import tensorboard  # noqa: F401
         except ImportError:
             raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    if cfg.name is not None and ("/" in cfg.name or cfg.name in ("", ".", "..")):
-        raise UserError(f"--name {cfg.name!r} must be a plain folder name, without '/'")
 
 
 def _launch_world_size() -> int:

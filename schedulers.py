@@ -13,15 +13,21 @@ DECAYS = ("constant", "poly", "cosine", "step")
 
 
 class WarmupDecay(LRScheduler):
-    """LR at optimizer step s (0-based; the LR the s-th step uses), for a base LR b::
+    """LR of optimizer step k (0-based: the LR the k-th step uses, i.e. after k calls of `step()`), for a
+    base LR b, W = warmup_steps and D = decay_steps (the steps after warmup)::
 
-        s < W:      b * (s + 1) / W                                    (the first step already trains)
-        t = s - W:  constant  b
-                    poly      (b - end_lr) * (1 - min(t, D) / D) ** power + end_lr
-                    cosine    end_lr + (b - end_lr) * (1 + cos(pi * min(t, D) / D)) / 2
-                    step      b * gamma ** floor(s / step_size)
+        k < W:      b * (k + 1) / W                                     (the first step already trains)
+        t = k - W,  p = min(t + 1, D) / D:
+                    constant  b
+                    poly      (b - end_lr) * (1 - p) ** power + end_lr
+                    cosine    end_lr + (b - end_lr) * (1 + cos(pi * p)) / 2
+                    step      b * gamma ** floor(k / step_size)
 
-    with W = warmup_steps and D = decay_steps (the steps after warmup).
+    Step k uses the value the curve reaches at the END of it (after k + 1 steps), so a run of W + D steps
+    peaks at b on its last warmup step and trains its last step with end_lr (poly and cosine hold end_lr
+    after that). Poly is the original LARS project's curve one step earlier than `PolynomialWarmup` (decay_steps
+    = W + D) gives it: that class keeps the original's counter, so the last step of its run misses end_lr by
+    one decay step.
     """
 
     def __init__(
@@ -58,7 +64,7 @@ class WarmupDecay(LRScheduler):
             return base_lr * self.gamma ** (step // self.step_size)
         if self.decay == "constant" or self.decay_steps == 0:
             return base_lr
-        progress = min(step - self.warmup_steps, self.decay_steps) / self.decay_steps
+        progress = min(step - self.warmup_steps + 1, self.decay_steps) / self.decay_steps
         if self.decay == "poly":
             return (base_lr - self.end_lr) * (1 - progress) ** self.power + self.end_lr
         return self.end_lr + (base_lr - self.end_lr) * (1 + math.cos(math.pi * progress)) / 2
@@ -69,20 +75,51 @@ class WarmupDecay(LRScheduler):
     _get_closed_form_lr = get_lr
 
 
-class PolynomialWarmup(WarmupDecay):
-    """The original LARS project's scheduler: a linear ramp to the base LR over `warmup_steps`, then
-    `(base - end_lr) * (1 - t / decay_steps) ** power + end_lr` for t steps after warmup."""
+class PolynomialWarmup(LRScheduler):
+    """The original LARS project's scheduler (LARS-ImageNet-PyTorch's `utils.PolynomialWarmup`), with its
+    signature and defaults. `decay_steps` is the WHOLE run (epochs x steps per epoch), warmup included; call
+    `step()` after every optimizer step. After s calls (W = warmup_steps, D = decay_steps, b = the base LR)::
+
+        s < W:   b * (s + 1) / W
+        s >= W:  (b - end_lr) * (1 - min(s - W, D - W) / (D - W)) ** power + end_lr
+
+    These are the original's values but for one improvement: its warmup is b * s / W, so its first step
+    trains with LR 0; ours is one step ahead there (and so uses b on steps W - 1 and W). The decay is the
+    original's to the step: b after W calls, end_lr after D calls and from then on.
+    """
 
     def __init__(
         self,
         optimizer: Optimizer,
         decay_steps: int,
         warmup_steps: int = 0,
-        end_lr: float = 0.0,
+        end_lr: float = 0.0001,
         power: float = 1.0,
         last_epoch: int = -1,
     ):
-        super().__init__(optimizer, warmup_steps, decay_steps, "poly", end_lr, power, last_epoch=last_epoch)
+        if not 0 <= warmup_steps <= decay_steps:
+            raise ValueError(
+                f"Invalid steps: warmup_steps={warmup_steps}, decay_steps={decay_steps} "
+                "(need 0 <= warmup_steps <= decay_steps; decay_steps is the whole run)"
+            )
+        self.decay_steps = int(decay_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.end_lr = end_lr
+        self.power = power
+        super().__init__(optimizer, last_epoch)
+
+    def lr_at(self, base_lr: float, step: int) -> float:
+        if step < self.warmup_steps:
+            return base_lr * (step + 1) / self.warmup_steps
+        if step >= self.decay_steps:
+            return self.end_lr
+        progress = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        return (base_lr - self.end_lr) * (1 - progress) ** self.power + self.end_lr
+
+    def get_lr(self) -> list[float]:
+        return [self.lr_at(base, self.last_epoch) for base in self.base_lrs]
+
+    _get_closed_form_lr = get_lr
 
 
 class Schedule:
@@ -90,7 +127,7 @@ class Schedule:
     each evaluation (the monitored metric, reduced across ranks). With a plateau, warmup owns the LR until it
     ends and ReduceLROnPlateau after, so neither overwrites the other."""
 
-    def __init__(self, per_step: WarmupDecay, plateau: ReduceLROnPlateau | None = None):
+    def __init__(self, per_step: WarmupDecay | PolynomialWarmup, plateau: ReduceLROnPlateau | None = None):
         self.per_step = per_step
         self.plateau = plateau
 

@@ -25,6 +25,49 @@ CASES = {
     "nccl on cpu": (["--device", "cpu", "--backend", "nccl"], "--backend nccl needs CUDA"),
     "imagefolder without dirs": (["--dataset", "imagefolder"], "needs --train-dir and --val-dir"),
     "unknown model": (["--model", "resnet9000"], "--model 'resnet9000' is unknown"),
+    # no surprises (#12): argparse's own words replaced, typos get a suggestion, ignored flags refused
+    "epochs not an integer": (["-e", "1.5"], "argument -e/--epochs: must be a positive integer, got '1.5'"),
+    "flag close to a real one": (["--epoch", "3"], "unrecognized arguments: --epoch 3; did you mean --epochs?"),
+    "typo with =": (["--wramup-epochs=2"], "did you mean --warmup-epochs?"),
+    "not a number lr": (["--base-lr", "nan"], "--base-lr must be > 0, got nan"),
+    "lars wrapped in lars": (["--optimizer", "lars", "--lars-wrap"], "--optimizer lars is LARS already: use one of"),
+    "cosine warmup type with poly": (
+        ["-t", "cosine", "--scheduler", "poly"],
+        "--warmup-type cosine means cosine decay after warmup, but --scheduler poly asks for another decay",
+    ),
+    "cosine warmup type with plateau": (
+        ["--warmup-type", "cosine", "--scheduler", "plateau"],
+        "use --scheduler cosine",
+    ),
+    "step every 0 epochs": (["--scheduler", "step", "--step-epochs", "0"], "--step-epochs must be > 0"),
+    "step every -1 epochs": (["--scheduler", "step", "--step-epochs", "-1"], "--step-epochs must be > 0"),
+    "step gamma 0": (["--scheduler", "step", "--step-gamma", "0"], "--step-gamma must be in (0, 1], got 0.0"),
+    "step gamma above 1": (["--scheduler", "step", "--step-gamma", "1.5"], "--step-gamma must be in (0, 1]"),
+    "negative plateau patience": (
+        ["--scheduler", "plateau", "--plateau-patience", "-1"],
+        "--plateau-patience must be >= 0",
+    ),
+    "zero dist timeout": (["--dist-timeout", "0"], "--dist-timeout must be > 0 seconds, got 0.0"),
+    "negative dist timeout": (["--dist-timeout", "-5"], "--dist-timeout must be > 0 seconds"),
+    "negative end lr": (["--scheduler", "poly", "--end-lr", "-0.1"], "--end-lr must be >= 0, got -0.1"),
+    "zero lr power": (["--scheduler", "poly", "--lr-power", "0"], "--lr-power must be > 0"),
+    "zero bucket": (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
+    "negative early stop delta": (["--early-stop-patience", "2", "--early-stop-delta", "-1"], "must be >= 0"),
+    "lookahead k without lookahead": (
+        ["--lookahead-k", "3"],
+        "--lookahead-k acts only with --lookahead, so it would be ignored: add --lookahead or drop --lookahead-k",
+    ),
+    "end lr with a constant schedule": (["--end-lr", "0.01"], "--end-lr acts only with --scheduler poly or"),
+    "plateau patience without plateau": (["--plateau-patience", "3"], "add --scheduler plateau or drop"),
+    "step gamma without step": (["--scheduler", "poly", "--step-gamma", "0.5"], "--step-gamma acts only with"),
+    "lr power without poly": (
+        ["--scheduler", "cosine", "--lr-power", "2"],
+        "--lr-power acts only with --scheduler poly",
+    ),
+    "nesterov with adam": (["--optimizer", "adam", "--nesterov"], "--nesterov acts only with --optimizer sgd or"),
+    "trust coefficient without lars": (["--trust-coefficient", "0.01"], "add --optimizer lars or drop"),
+    "base batch without scaling": (["--base-batch-size", "64"], "--base-batch-size acts only with --lr-scaling"),
+    "trace end without trace": (["--trace-end", "repeat-last"], "--trace-end acts only with --batch-trace FILE"),
 }
 
 
@@ -84,11 +127,22 @@ def test_resume_missing_file(tmp_path, capsys):
     _fails(["--resume", str(tmp_path / "nope.pt"), "--runs-dir", str(tmp_path)], "does not exist", capsys)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x00garbage" * 100, b"PK\x03\x04truncated"], ids=["empty", "random", "zip"])
+def _not_ours(path):
+    return (
+        f"error: checkpoint {str(path)!r} is not a checkpoint written by this project (or is corrupt); "
+        "pick another file or start without --resume"
+    )
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x00garbage" * 100, b"PK\x03\x04truncated", bytes(range(256)) * 40],
+    ids=["empty", "garbage", "zip", "random"],
+)
 def test_corrupt_checkpoint(content, tmp_path, capsys):
     path = tmp_path / "bad.pt"
     path.write_bytes(content)
-    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], _not_ours(path), capsys)
     assert path.read_bytes() == content
 
 
@@ -97,7 +151,7 @@ def test_truncated_checkpoint(tmp_path, capsys):
     torch.save({"model": {"w": torch.zeros(1000)}, "epoch": 1}, good)
     bad = tmp_path / "bad.pt"
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    _fails(["--resume", str(bad), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+    _fails(["--resume", str(bad), "--runs-dir", str(tmp_path)], _not_ours(bad), capsys)
 
 
 class _Exploit:
@@ -109,13 +163,19 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, capsys):
     path = tmp_path / "evil.pt"
     with open(path, "wb") as f:
         pickle.dump({"model": _Exploit(), "epoch": 1}, f)
-    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "is unreadable", capsys)
+    assert run.main(["--resume", str(path), "--runs-dir", str(tmp_path), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [_not_ours(path)] and "this checkpoint ran code" not in out
 
 
 def test_checkpoint_not_from_run_py(tmp_path, capsys):
     path = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(3)}, path)
-    _fails(["--resume", str(path), "--runs-dir", str(tmp_path)], "was not written by run.py", capsys)
+    _fails(
+        ["--resume", str(path), "--runs-dir", str(tmp_path)],
+        "is not a checkpoint written by this project (it has no model/epoch entries)",
+        capsys,
+    )
 
 
 def test_checkpoint_of_another_model(tmp_path, capsys):

@@ -32,7 +32,8 @@ def test_trace_files_lists_and_ints(tmp_path):
     "text, message",
     [
         ("step,size\n0,32\n", "line 1: expected a header with a `batchsize` column"),
-        ("step,batchsize\n0,32\n1,lots\n", "line 3: '1,lots' has no integer batch size"),
+        ("step,batchsize\n0,32\n1,lots\n", "line 3 (step 1): '1,lots' has no integer batch size"),
+        ("batchsize\n32\n\nlots\n", "line 4: 'lots' has no integer batch size"),
         ("step,batchsize\n", "has no rows"),
     ],
 )

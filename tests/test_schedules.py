@@ -1,6 +1,7 @@
 """Every schedule's LR at chosen steps, against numbers computed by hand here."""
 
 import argparse
+import inspect
 import math
 
 import pytest
@@ -31,19 +32,100 @@ def test_linear_warmup_trains_from_the_first_step():
     assert used == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
 
 
-def test_polynomial_warmup_has_the_original_signature_and_values():
+def lrs_after_calls(scheduler, opt, calls):
+    """The LR in the optimizer after s calls of scheduler.step(), for s = 0 .. calls."""
+    seen = [opt.param_groups[0]["lr"]]
+    for _ in range(calls):
+        opt.step()
+        scheduler.step()
+        seen.append(opt.param_groups[0]["lr"])
+    return seen
+
+
+def original_polynomial_warmup(s, base, decay_steps, warmup_steps, end_lr, power):
+    """LARS-ImageNet-PyTorch's utils.PolynomialWarmup after s calls of step(), written out plainly."""
+    if s < warmup_steps:
+        return base * s / warmup_steps
+    decay = decay_steps - warmup_steps
+    return (base - end_lr) * (1 - min(s - warmup_steps, decay) / decay) ** power + end_lr
+
+
+def test_polynomial_warmup_has_the_original_signature_and_defaults():
     assert PolynomialWarmupFromLars is PolynomialWarmup
+    params = inspect.signature(PolynomialWarmup).parameters
+    assert list(params) == ["optimizer", "decay_steps", "warmup_steps", "end_lr", "power", "last_epoch"]
+    defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == {"warmup_steps": 0, "end_lr": 0.0001, "power": 1.0, "last_epoch": -1}
+
+
+def test_polynomial_warmup_follows_the_original_over_the_whole_run():
+    # the issue's numbers: decay_steps is the whole run (1000), 100 of them warmup, base 2.0 -> 0.1, power 2
+    opt = optimizer(2.0)
+    sched = PolynomialWarmup(opt, decay_steps=1000, warmup_steps=100, end_lr=0.1, power=2.0)
+    seen = lrs_after_calls(sched, opt, 1003)
+    original = [original_polynomial_warmup(s, 2.0, 1000, 100, 0.1, 2.0) for s in range(1004)]
+    # the one documented change: the warmup is one step ahead, so the first step trains (the original's is 0)
+    assert original[0] == 0.0 and seen[0] == pytest.approx(2.0 * 1 / 100) == pytest.approx(original[1])
+    assert seen[:100] == pytest.approx(original[1:101])
+    assert seen[99] == pytest.approx(2.0)  # the last warmup step at the base LR
+    # from the end of warmup on, the original's values at the same counter
+    assert seen[100:] == pytest.approx(original[100:], rel=1e-12)
+    assert seen[100] == pytest.approx(2.0)
+    assert seen[550] == pytest.approx(0.575)  # 1.9 * (1 - 450/900)^2 + 0.1 (the old code gave 0.675)
+    assert seen[999] == pytest.approx(1.9 / 900**2 + 0.1)
+    assert seen[1000] == pytest.approx(0.1) and seen[1003] == pytest.approx(0.1)  # the old code gave 0.119
+
+
+def test_polynomial_warmup_without_warmup_starts_at_the_base_lr():
     opt = optimizer(1.0)
-    sched = PolynomialWarmup(opt, decay_steps=4, warmup_steps=2, end_lr=0.01, power=2.0, last_epoch=-1)
-    # warmup 1/2, 2/2; then 0.99 * (1 - t/4)^2 + 0.01 for t = 0..4, then end_lr
-    expected = [0.5, 1.0, 1.0, 0.99 * 0.75**2 + 0.01, 0.99 * 0.25 + 0.01, 0.99 * 0.0625 + 0.01, 0.01, 0.01]
-    assert lrs_used(sched, opt, 8) == pytest.approx(expected)
+    sched = PolynomialWarmup(opt, decay_steps=4)
+    expected = [original_polynomial_warmup(s, 1.0, 4, 0, 0.0001, 1.0) for s in range(6)]
+    assert lrs_after_calls(sched, opt, 5) == pytest.approx(expected)
+    assert expected[:2] == pytest.approx([1.0, 0.9999 * 0.75 + 0.0001]) and expected[4] == 0.0001
+
+
+def test_polynomial_warmup_refuses_a_warmup_longer_than_the_run():
+    with pytest.raises(ValueError, match="decay_steps is the whole run"):
+        PolynomialWarmup(optimizer(), decay_steps=10, warmup_steps=20)
+
+
+@pytest.mark.parametrize("decay", ["poly", "cosine"])
+@pytest.mark.parametrize("warmup_epochs", [0.0, 1.0])
+def test_poly_and_cosine_reach_end_lr_on_the_last_step_of_the_run(decay, warmup_epochs):
+    epochs, steps_per_epoch, base, end = 3, 4, 0.8, 0.05
+    opt = optimizer(base)
+    schedule = _build(opt, steps_per_epoch, epochs=epochs, warmup_epochs=warmup_epochs, scheduler=decay, end_lr=end,
+                      lr_power=2.0)  # fmt: skip
+    used = []
+    for _ in range(epochs * steps_per_epoch):
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    total, warmup = epochs * steps_per_epoch, round(warmup_epochs * steps_per_epoch)
+
+    def plain(k):  # step k (0-based) uses the curve's value after k + 1 steps
+        done = k + 1
+        if done <= warmup:
+            return base * done / warmup
+        progress = (done - warmup) / (total - warmup)
+        if decay == "poly":
+            return (base - end) * (1 - progress) ** 2 + end
+        return end + (base - end) * (1 + math.cos(math.pi * progress)) / 2
+
+    assert used == pytest.approx([plain(k) for k in range(total)], rel=1e-12)
+    assert used[-1] == pytest.approx(end)
+    peaks = [k for k, lr in enumerate(used) if lr == pytest.approx(base)]
+    assert peaks == ([warmup - 1] if warmup else [])  # the base LR once, on the last warmup step
+    if decay == "poly":  # the same curve as the original's PolynomialWarmup over the whole run, one step on
+        original = [original_polynomial_warmup(k + 1, base, total, warmup, end, 2.0) for k in range(total)]
+        assert used == pytest.approx(original, rel=1e-12)
 
 
 def test_cosine_decay_to_end_lr():
     opt = optimizer(1.0)
     used = lrs_used(WarmupDecay(opt, 0, 4, decay="cosine"), opt, 5)
-    assert used == pytest.approx([1.0, (1 + math.sqrt(0.5)) / 2, 0.5, (1 - math.sqrt(0.5)) / 2, 0.0])
+    # step k uses (1 + cos(pi * (k + 1) / 4)) / 2: the 4th and last step reaches end_lr, which then holds
+    assert used == pytest.approx([(1 + math.sqrt(0.5)) / 2, 0.5, (1 - math.sqrt(0.5)) / 2, 0.0, 0.0])
 
 
 def test_step_decay():
@@ -122,7 +204,8 @@ def test_warmup_type_cosine_means_cosine_decay_after_warmup():
         used.append(opt.param_groups[0]["lr"])
         opt.step()
         schedule.step()
-    assert used == pytest.approx([0.5, 1.0, 1.0, 0.5])
+    # warmup 1/2, 2/2; cosine over the 2 remaining steps: (1 + cos(pi/2)) / 2, then end_lr 0 on the last step
+    assert used == pytest.approx([0.5, 1.0, 0.5, 0.0])
 
 
 def test_fractional_warmup_epochs_become_steps():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,24 @@ def pairs(values: list[str], default: dict) -> dict:
     return result
 
 
+def default_warmup(epochs: int) -> float:
+    """2 warmup epochs, or half the run when that is shorter (run.py refuses a warmup longer than the run)."""
+    return min(2.0, epochs / 2)
+
+
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(error(?: on rank \d+)?: .*)$")
+
+
+def split_error(stderr: str) -> tuple[str | None, str]:
+    """run.py's own `error: ...` line out of a cell's stderr (torchrun adds its report around it), and the rest."""
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        match = ERROR_LINE.match(line)
+        if match:
+            return match.group(1), "\n".join(lines[:i] + lines[i + 1 :])
+    return None, stderr
+
+
 def cell_finished(run_dir: Path, epochs: int) -> bool:
     metrics = run_dir / "metrics.csv"
     if not metrics.exists():
@@ -53,17 +72,22 @@ def run_cell(args, optimizer: str, batch: int, lr: str, scaling: str, extra: lis
         print(f"{name}: finished before, skipped")
         return run_dir
     per_rank = batch // args.nproc
+    # run.py refuses --base-batch-size where `keep` would ignore it
+    reference = [] if scaling == "keep" else ["--base-batch-size", str(args.ref_batch_size)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
         str(REPO / "run.py"), "--optimizer", optimizer, "--batch-size", str(per_rank), "--base-lr", lr,
-        "--lr-scaling", scaling, "--base-batch-size", str(args.ref_batch_size), "--epochs", str(args.epochs),
+        "--lr-scaling", scaling, *reference, "--epochs", str(args.epochs),
         "--warmup-epochs", str(args.warmup_epochs), "-n", name, "--runs-dir", str(cells), "--no-progress",
         "--resume", "auto", *OPTIMIZER_FLAGS.get(optimizer, []), *extra,
     ]  # fmt: skip
     print(f"{name}: {' '.join(cmd[3:])}", flush=True)
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
-        print(result.stderr[-2000:], file=sys.stderr)
+        error, rest = split_error(result.stderr)
+        if error:  # run.py's own sentence first, then torchrun's report for whoever needs it
+            print(error, file=sys.stderr)
+        print("\n".join(rest.splitlines()[-40:]), file=sys.stderr)
         raise SystemExit(f"error: cell {name} failed (exit {result.returncode}); fix it and run the sweep again")
     return run_dir
 
@@ -112,14 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", required=True, help="global batch sizes")
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "lars"])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--warmup-epochs", type=float, default=2.0)
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per cell (default: 10)")
+    parser.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=None,
+        help="warmup of every cell (default: 2, or half of --epochs when that is shorter)",
+    )
     parser.add_argument("--ref-batch-size", type=int, default=32, help="the batch each --base-lr is given for")
     parser.add_argument("--base-lr", nargs="*", default=[], metavar="OPT=LR", help="e.g. sgd=0.05 lars=2")
     parser.add_argument("--lr-scaling", nargs="*", default=[], metavar="OPT=RULE", help="e.g. sgd=linear lars=sqrt")
     parser.add_argument("--nproc", type=int, default=2, help="processes per cell")
     parser.add_argument("--out", required=True, help="the sweep folder")
     args = parser.parse_args(argv)
+    if args.warmup_epochs is None:
+        args.warmup_epochs = default_warmup(args.epochs)
+    if args.warmup_epochs > args.epochs:
+        print(f"error: --warmup-epochs {args.warmup_epochs} exceeds --epochs {args.epochs}", file=sys.stderr)
+        return 2
     bad = [b for b in args.batch_sizes if b % args.nproc]
     if bad:
         print(f"error: batch sizes {bad} do not divide by --nproc {args.nproc}", file=sys.stderr)

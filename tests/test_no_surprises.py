@@ -1,0 +1,209 @@
+"""No surprises (#12): the command line says what it does, checkpoints and traces fail in plain words, files get
+the usual permissions, the sweep's defaults fit its epochs. Bad-flag messages: test_bad_input's catalogue."""
+
+import importlib.util
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+from multiproc import REPO
+
+import batch_trace
+import checkpoint
+import config
+import run
+import trace_api
+
+
+@pytest.mark.parametrize("flag", ["-l", "--base-lr", "--learning-rate", "--learning_rate", "--lr"])
+def test_every_spelling_of_the_learning_rate(flag):
+    assert config.parse([flag, "0.3"])[0].base_lr == 0.3
+
+
+def _help_entries(monkeypatch) -> dict[str, str]:
+    """--help as {invocation: help text}, one entry per option, on one line each."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    text = config.build_parser().format_help()
+    entries, current = {}, None
+    for line in text.splitlines():
+        if re.match(r"^  -", line):
+            invocation, _, help_text = line.strip().partition("  ")
+            current = invocation
+            entries[current] = help_text.strip()
+        elif current is not None and line.startswith("    ") and line.strip():
+            entries[current] = (entries[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return entries
+
+
+def test_help_shows_every_default_once(monkeypatch):
+    entries = _help_entries(monkeypatch)
+    with_value = {inv: text for inv, text in entries.items() if " " in inv.split(",")[0].strip()}
+    assert len(with_value) > 40  # every option that takes a value (on/off flags are off unless given)
+    for invocation, text in with_value.items():
+        assert len(re.findall(r"[(;] ?default\b", text)) == 1, (invocation, text)
+    assert entries["--step-gamma STEP_GAMMA"] == "step: LR multiplier at each decay (default: 0.1)"
+    assert entries["--plateau-patience PLATEAU_PATIENCE"].endswith("(default: 2)")
+    assert entries["--resume auto|PATH"].endswith("(default: none)")
+    assert entries["-e EPOCHS, --epochs EPOCHS"] == "epochs to train (default: 10)"  # said once, not twice
+    assert entries["--end-lr END_LR"].endswith("(default: 0)")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-t", "cosine"],  # cosine decay after warmup
+        ["-t", "cosine", "--scheduler", "cosine", "--end-lr", "0.01"],  # says the same thing twice: fine
+        ["-t", "cosine", "--scheduler", "constant"],
+        ["--optimizer", "sgd", "--lars-wrap", "--trust-coefficient", "0.01", "--epsilon", "0"],
+        ["--scheduler", "step", "--step-epochs", "0.5", "--step-gamma", "1"],
+        ["--scheduler", "plateau", "--plateau-patience", "0", "--plateau-factor", "0.5"],
+        ["--scheduler", "poly", "--lr-power", "2", "--end-lr", "0"],
+        ["--lookahead", "--lookahead-k", "3", "--lookahead-alpha", "1"],
+        ["--dist-timeout", "0.5"],
+        ["--optimizer", "lars", "--momentum", "0.8", "--nesterov"],
+        ["--lr-scaling", "sqrt", "--base-batch-size", "64"],
+        ["--early-stop-patience", "2", "--early-stop-delta", "0.01"],
+    ],
+)
+def test_flags_that_act_are_accepted(argv):
+    config.parse(argv)
+
+
+def test_config_does_not_import_torch():
+    code = "import sys, config; config.parse(['--epochs', '2', '-t', 'cosine']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_checkpoint_gets_the_permissions_of_any_new_file(umask, tmp_path):
+    previous = os.umask(umask)
+    try:
+        (tmp_path / "plain.txt").write_text("a file made the ordinary way")
+        checkpoint.save({"model": {}, "epoch": 1}, tmp_path / "last.pt")
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "last.pt").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o666 & ~umask
+    assert checkpoint.load(tmp_path / "last.pt") == {"model": {}, "epoch": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "plain.txt"]  # no temporary file left
+
+
+def _not_a_multiple(path, where, batch, micro_batch):
+    return (
+        f"{str(path)!r} {where}: batch size {batch} is not a positive multiple of the micro-batch "
+        f"(--batch-size {micro_batch})"
+    )
+
+
+def test_a_trace_error_names_the_file_line_and_step(tmp_path):
+    path = tmp_path / "trace.csv"
+    # line 1 the header, lines 2-3 steps 0-1, line 4 blank, line 5 step 3 (the file's own step numbers)
+    path.write_text("step,batchsize\n0,32\n1,64\n\n3,48\n")
+    with pytest.raises(batch_trace.UserError) as error:
+        batch_trace.check_trace(batch_trace.load_trace(path), 32)
+    assert str(error.value) == _not_a_multiple(path, "line 5 (step 3)", 48, 32)
+    with pytest.raises(batch_trace.UserError) as error:  # the original API says the same
+        trace_api.CustomSampler(list(range(100)), str(path), num_replicas=1, rank=0, minibatch_size=32)
+    assert str(error.value) == _not_a_multiple(path, "line 5 (step 3)", 48, 32)
+
+
+def test_a_trace_without_a_step_column_names_the_line(tmp_path):
+    path = tmp_path / "sizes.csv"
+    path.write_text("batchsize\n16\n0\n")
+    with pytest.raises(batch_trace.UserError) as error:
+        batch_trace.check_trace(batch_trace.load_trace(path), 16)
+    assert str(error.value) == _not_a_multiple(path, "line 3", 0, 16)
+
+
+def test_a_trace_given_as_a_list_still_names_the_step():
+    assert batch_trace.load_trace([8, 16]) == [8, 16]
+    with pytest.raises(batch_trace.UserError, match=r"^trace step 1: batch size 20 is not a positive multiple"):
+        batch_trace.check_trace([16, 20], 8)
+    with pytest.raises(batch_trace.UserError, match=r"^row B: batch size 20"):
+        batch_trace.check_trace([16, 20], 8, where=["row A", "row B"])
+
+
+def test_run_py_names_the_trace_line_and_step(tmp_path, capsys):
+    path = tmp_path / "trace.csv"
+    path.write_text("step,batchsize\n0,32\n1,32\n2,40\n")
+    argv = ["--batch-trace", str(path), "--batch-size", "16", "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: " + _not_a_multiple(path, "line 4 (step 2)", 40, 16)]
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("sweep", REPO / "tools" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("epochs, warmup", [(1, 0.5), (3, 1.5), (4, 2.0), (10, 2.0)])
+def test_sweep_warmup_fits_the_epochs(epochs, warmup):
+    assert _sweep().default_warmup(epochs) == warmup
+
+
+TORCHRUN_REPORT = """W1122 06:15:50 torch/distributed/run.py:792] Setting OMP_NUM_THREADS environment variable to 1
+{error}
+E1122 06:15:53 api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 5475)
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+  exitcode  : 2 (pid: 5475)
+  error_file: <N/A>
+"""
+
+
+def test_a_failed_sweep_cell_shows_run_py_s_error_first(tmp_path, monkeypatch, capsys):
+    sweep = _sweep()
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        error = "error: --momentum acts only with --optimizer sgd or --optimizer lars, so it would be ignored"
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=TORCHRUN_REPORT.format(error=error))
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="error: cell adam-b32 failed"):
+        sweep.main(["--batch-sizes", "32", "--optimizers", "adam", "--epochs", "1", "--out", str(tmp_path)])
+    cmd = commands[0]
+    assert cmd[cmd.index("--warmup-epochs") + 1] == "0.5" and cmd[cmd.index("--epochs") + 1] == "1"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "error: --momentum acts only with --optimizer sgd or --optimizer lars, so it would be ignored"
+    assert "  error_file: <N/A>" in err  # the rest follows
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("error: --epochs: must be a positive integer", "error: --epochs: must be a positive integer"),
+        ("[rank0]: error: the trace has 3 steps", "error: the trace has 3 steps"),
+        ("error on rank 1: out of memory", "error on rank 1: out of memory"),
+        ("  error_file: <N/A>", None),
+    ],
+)
+def test_sweep_finds_run_py_s_error_line(line, expected):
+    error, rest = _sweep().split_error(f"noise before\n{line}\nnoise after\n")
+    assert error == expected
+    assert rest == ("noise before\nnoise after" if expected else f"noise before\n{line}\nnoise after\n")
+
+
+def test_sweep_passes_no_reference_batch_to_keep_scaling(tmp_path, monkeypatch):
+    sweep = _sweep()
+    commands = []
+    monkeypatch.setattr(sweep, "summarise", lambda run_dir: {})
+    monkeypatch.setattr(sweep, "write_results", lambda *a: None)
+    monkeypatch.setattr(sweep.plots, "accuracy_vs_batch", lambda *a: None)
+    monkeypatch.setattr(sweep.plots, "overlay", lambda *a: None)
+    monkeypatch.setattr(
+        sweep.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0)
+    )
+    argv = ["--batch-sizes", "64", "--optimizers", "sgd", "--lr-scaling", "sgd=keep", "--out", str(tmp_path)]
+    assert sweep.main(argv) == 0
+    assert "--base-batch-size" not in commands[0] and config.parse(commands[0][commands[0].index("--optimizer") :])
