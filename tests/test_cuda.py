@@ -260,11 +260,14 @@ ONE_GPU_FLAGS = {
     "channels-last": ["--channels-last"],
     "compile": ["--compile"],
     "workers 2 pinned": ["--workers", "2"],
+    "lars": ["--optimizer", "lars"],
+    "lamb lookahead": ["--optimizer", "lamb", "--lookahead"],
 }
 
 
 def assert_trained(result, run_dir):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    assert "--compile is not available" not in result.stdout + result.stderr  # run.py's eager fallback
     with open(run_dir / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 1 and math.isfinite(float(rows[0]["val_loss"])), rows
