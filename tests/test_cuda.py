@@ -69,19 +69,21 @@ def test_capturable_lamb_matches_algorithm_2(bias_correction, lars_on, wd):
     assert max_error(params, reference_lamb(start, STEPS, (0.9, 0.999), 1e-6, wd, bias_correction, lars_on)) <= 1e-6
 
 
-def test_lamb_state_moves_between_plain_and_capturable():
+def test_lamb_continues_a_run_across_capturable_and_plain_steps():
     params = make_params()
     start = initial(params)
-    plain = LAMB(params, lr=0.01)
-    run_steps(plain, params, 7)
-    capturable = LAMB(params, lr=0.01, capturable=True)
-    capturable.load_state_dict(copy.deepcopy(plain.state_dict()))
-    run_steps(capturable, params, STEPS - 7, first=7)
+    opt = LAMB(params, lr=0.01)
+    run_steps(opt, params, 7)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a checkpoint's groups carry its own `capturable`
+    for group in opt.param_groups:
+        group["capturable"] = True
+    run_steps(opt, params, 7, first=7)
+    assert all(isinstance(s["step"], torch.Tensor) and s["step"].item() == 14 for s in opt.state.values())
+    for group in opt.param_groups:
+        group["capturable"] = False
+    run_steps(opt, params, STEPS - 14, first=14)
+    assert all(s["step"] == STEPS for s in opt.state.values())
     assert max_error(params, reference_lamb(start, STEPS, (0.9, 0.999), 1e-6, 0.01, True, True)) <= 1e-6
-    back = LAMB(params, lr=0.01)
-    back.load_state_dict(capturable.state_dict())
-    run_steps(back, params, 1, first=STEPS)
-    assert all(s["step"] == STEPS + 1 for s in back.state.values())
 
 
 def test_capturable_lookahead_syncs_after_steps_3_6_9_like_the_plain_one():
