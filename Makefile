@@ -1,12 +1,13 @@
-# ddp-tricks: `make run` trains (2-process DDP), `make test` runs the suite; both set themselves up first.
+# ddp-tricks: `make run` trains (DDP, one process per GPU, or 2 on CPU), `make test` runs the suite; both set
+# themselves up first. `make gpu-check` checks a GPU machine with the Python it already has, installing nothing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-NPROC ?= 2
+NPROC ?=
 ARGS ?=
 
-.PHONY: install-all run test lint format bench clean
+.PHONY: install-all run test lint format bench gpu-check clean
 
 install-all: $(STAMP)
 
@@ -16,8 +17,19 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
 	touch $(STAMP)
 
+# NPROC unset: one process per visible GPU, or 2 without a GPU (torch answers from the driver; no CUDA context).
 run: install-all
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) run.py $(ARGS)
+	@nproc="$(NPROC)"; why="NPROC=$(NPROC)"; \
+	if [ -z "$$nproc" ]; then \
+		gpus=$$($(PY) -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1); \
+		case "$$gpus" in ''|*[!0-9]*) gpus=0;; esac; \
+		if [ "$$gpus" -gt 0 ]; then nproc=$$gpus; why="$$gpus GPU(s) visible"; else nproc=2; why="no GPU visible"; fi; \
+		why="$$why; set NPROC=N to change"; \
+	fi; \
+	[ "$$nproc" = 1 ] && noun=process || noun=processes; \
+	echo "make run: $$nproc $$noun ($$why)"; \
+	echo "$(VENV)/bin/torchrun --standalone --nproc_per_node=$$nproc run.py $(ARGS)"; \
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$$nproc run.py $(ARGS)
 
 test: install-all
 	$(PY) -m pytest
@@ -33,6 +45,10 @@ format: install-all
 bench: install-all
 	$(PY) bench/optim_step.py
 	$(PY) bench/e2e.py
+
+# No install-all: it runs on the machine's own Python (PYTHON=...), which needs torch and torchvision.
+gpu-check:
+	@$(PYTHON) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

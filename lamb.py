@@ -4,12 +4,13 @@ the original LARS project's `--base-op lamb`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
 
-from lars import trust_ratio
+from lars import _norms, trust_ratio
 
 
 class LAMB(Optimizer):
@@ -31,8 +32,11 @@ class LAMB(Optimizer):
         eps: added to the denominator (default 1e-6).
         weight_decay: decoupled weight decay inside u (default 0.01).
         bias_correction: divide the moments by (1 - beta^t) (default True).
+        capturable: keep the step count t on the parameters' device, so a CUDA graph of ``step()`` replays
+            with the right t (default False: t is a Python int, and the bias corrections cost no kernels).
 
-    ``p.grad`` is never modified and the step makes no host sync.
+    The update is multi-tensor (``torch._foreach_*``, grouped by device and dtype); ``p.grad`` is never
+    modified and the step makes no host sync.
     """
 
     def __init__(
@@ -43,6 +47,8 @@ class LAMB(Optimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.01,
         bias_correction: bool = True,
+        *,
+        capturable: bool = False,
     ):
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
@@ -55,9 +61,20 @@ class LAMB(Optimizer):
         if not weight_decay >= 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, lars=True
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            lars=True,
+            capturable=capturable,
         )
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("capturable", False)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -66,32 +83,85 @@ class LAMB(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
-                if g.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError("LAMB does not support sparse gradients; use dense gradients")
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = state["step"]
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                bc1 = 1 - beta1**t if group["bias_correction"] else 1.0
-                bc2 = 1 - beta2**t if group["bias_correction"] else 1.0
-                u = (v / bc2).sqrt_().add_(group["eps"])
-                u = torch.div(m, u).div_(bc1)
-                if group["weight_decay"] != 0:
-                    u.add_(p, alpha=group["weight_decay"])
-                if group["lars"]:
-                    r = trust_ratio(p.norm(), u.norm(), 0.0, 1.0, 0.0).to(p.dtype)
-                    p.addcmul_(u, r, value=-group["lr"])
-                else:
-                    p.add_(u, alpha=-group["lr"])
+                state["step"] = _step_in_mode(state["step"], group["capturable"], p.device)
+                if not group["capturable"]:
+                    state["step"] += 1
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if params:
+                _lamb_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, group)
         return loss
+
+
+def _step_in_mode(step, capturable: bool, device: torch.device):
+    """The step count as the mode wants it: a 0-d float32 tensor on the device (capturable) or an int.
+
+    A state saved in the other mode is converted once, on its first step here.
+    """
+    if capturable and not isinstance(step, torch.Tensor):
+        return torch.full((), float(step), dtype=torch.float32, device=device)  # a fill: no host-to-device copy
+    if not capturable and isinstance(step, torch.Tensor):
+        return int(step.item())
+    return step
+
+
+def _lamb_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> None:
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    grouped = Optimizer._group_tensors_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs], with_indices=True)
+    for (_device, _dtype), ((dev_params, dev_grads, dev_m, dev_v), indices) in grouped.items():
+        dev_steps = [steps[i] for i in indices]
+        if group["capturable"]:
+            torch._foreach_add_(dev_steps, 1.0)
+        torch._foreach_lerp_(dev_m, dev_grads, 1 - beta1)
+        torch._foreach_mul_(dev_v, beta2)
+        torch._foreach_addcmul_(dev_v, dev_grads, dev_grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(dev_v)
+        if group["bias_correction"]:
+            bc1 = _bias_corrections(beta1, dev_steps)
+            bc2 = _bias_corrections(beta2, dev_steps)
+            if group["capturable"]:
+                torch._foreach_sqrt_(bc2)
+            else:
+                bc2 = [math.sqrt(c) for c in bc2]
+            torch._foreach_div_(denom, bc2)  # sqrt(v_hat) = sqrt(v) / sqrt(1 - beta2^t)
+        torch._foreach_add_(denom, eps)
+        u = torch._foreach_div(dev_m, denom)
+        if group["bias_correction"]:
+            torch._foreach_div_(u, bc1)  # m_hat / (sqrt(v_hat) + eps)
+        if wd != 0:
+            torch._foreach_add_(u, dev_params, alpha=wd)
+        if group["lars"]:
+            ratios = trust_ratio(_norms(dev_params), _norms(u), 0.0, 1.0, 0.0)
+            torch._foreach_mul_(u, (ratios * lr).to(dev_params[0].dtype).unbind(0))
+            torch._foreach_sub_(dev_params, u)
+        else:
+            torch._foreach_add_(dev_params, u, alpha=-lr)
+
+
+def _bias_corrections(beta: float, steps: list) -> list:
+    """1 - beta^t for each step count, as -expm1(t * ln(beta)): exact to float32 rounding where 1 - beta^t
+    computed in float32 would lose digits (beta2 = 0.999 at t = 1 leaves 1e-3 with a 1e-5 relative error).
+    Host floats for int steps; 0-d tensors (no host sync) for tensor steps."""
+    if not steps or not isinstance(steps[0], torch.Tensor):
+        return [-math.expm1(t * math.log(beta)) if beta > 0 else 1.0 for t in steps]
+    if beta == 0:
+        return [torch.ones_like(t) for t in steps]
+    corrections = torch._foreach_mul(steps, math.log(beta))
+    torch._foreach_expm1_(corrections)
+    torch._foreach_neg_(corrections)
+    return corrections

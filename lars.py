@@ -149,9 +149,16 @@ def _lars_foreach(params, grads, bufs, group) -> None:
     momentum, wd = group["momentum"], group["weight_decay"]
     grouped = Optimizer._group_tensors_by_device_and_dtype([params, grads, bufs], with_indices=True)
     for (_device, _dtype), ((dev_params, dev_grads, dev_bufs), indices) in grouped.items():
-        scales = _step_scales(dev_params, dev_grads, group)
+        # Once every buffer exists, v = momentum * v + d is one pass as lerp(v, d / (1 - momentum), 1 - momentum),
+        # with 1 / (1 - momentum) folded into the per-tensor scales: two fewer passes over memory per step.
+        as_lerp = 0 < momentum and not group["nesterov"] and all(buf is not None for buf in dev_bufs)
+        scales = _step_scales(dev_params, dev_grads, group, 1 / (1 - momentum) if as_lerp else 1.0)
         d = torch._foreach_add(dev_grads, dev_params, alpha=wd) if wd != 0 else torch._foreach_mul(dev_grads, 1.0)
         torch._foreach_mul_(d, scales)
+        if as_lerp:
+            torch._foreach_lerp_(dev_bufs, d, 1 - momentum)
+            torch._foreach_sub_(dev_params, dev_bufs)
+            continue
         if momentum == 0:
             torch._foreach_sub_(dev_params, d)
             continue
@@ -170,9 +177,9 @@ def _lars_foreach(params, grads, bufs, group) -> None:
             torch._foreach_sub_(dev_params, dev_bufs)
 
 
-def _step_scales(params, grads, group) -> list[torch.Tensor]:
-    """lr * r for every parameter, as 0-d tensors of the parameters' dtype (r = 1 where lars is off)."""
-    lr = group["lr"]
+def _step_scales(params, grads, group, factor: float = 1.0) -> list[torch.Tensor]:
+    """factor * lr * r for every parameter, as 0-d tensors of the parameters' dtype (r = 1 where lars is off)."""
+    lr = group["lr"] * factor
     if not group["lars"]:
         one = torch.full((), lr, dtype=params[0].dtype, device=params[0].device)
         return [one] * len(params)

@@ -30,9 +30,16 @@ class Lookahead(WrappedOptimizer):
         optimizer: the inner (fast) optimizer.
         k: steps between synchronisations (default 5).
         alpha: slow-weight step size, in (0, 1] (default 0.5).
+        capturable: count steps on the parameters' device and decide "is this step k, 2k, ...?" there, so
+            a CUDA graph of ``step()`` replays the schedule exactly (the inner optimizer must be capturable
+            too). It costs two passes over the weights on every step instead of every k-th step, so leave
+            it off (default False) unless you capture the step.
     """
 
-    def __init__(self, optimizer: Optimizer, k: int = 5, alpha: float = 0.5):
+    capturable = False  # class defaults: a Lookahead pickled before these existed still steps
+    _device_step: torch.Tensor | None = None
+
+    def __init__(self, optimizer: Optimizer, k: int = 5, alpha: float = 0.5, *, capturable: bool = False):
         if not (isinstance(k, int) and k >= 1):
             raise ValueError(f"Invalid k: {k} (must be an integer >= 1)")
         if not 0.0 < alpha <= 1.0:
@@ -42,6 +49,14 @@ class Lookahead(WrappedOptimizer):
         self.alpha = alpha
         self.lookahead_step = 0
         self.slow = [p.detach().clone() for p in self._params()]
+        self.capturable = capturable
+        if capturable:
+            devices = {p.device for p in self._params()}
+            if len(devices) != 1:
+                raise ValueError(
+                    f"capturable Lookahead needs its parameters on one device, got {sorted(map(str, devices))}"
+                )
+            self._device_step = torch.zeros((), dtype=torch.int64, device=devices.pop())
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -50,11 +65,28 @@ class Lookahead(WrappedOptimizer):
     def step(self, closure: Callable[[], float] | None = None):
         loss = self.optimizer.step(closure)
         self.lookahead_step += 1
-        if self.lookahead_step % self.k == 0:
+        if self.capturable:
+            self._sync_on_device()
+        elif self.lookahead_step % self.k == 0:
             fast = self._params()
             torch._foreach_lerp_(self.slow, fast, self.alpha)
             torch._foreach_copy_(fast, self.slow)
         return loss
+
+    def _sync_on_device(self) -> None:
+        """The branch above with the decision taken on the device: a lerp weight of 0 leaves a tensor as it
+        is and a weight of 1 gives exactly the other one, so off-steps change nothing and sync steps do
+        what the branch does."""
+        self._device_step.add_(1)
+        due = torch.remainder(self._device_step, self.k) == 0
+        fast = self._params()
+        alpha, sync = {}, {}
+        for p in fast:
+            if p.dtype not in sync:  # lerp wants its weight in the tensor's dtype
+                sync[p.dtype] = due.to(p.dtype)
+                alpha[p.dtype] = sync[p.dtype] * self.alpha
+        torch._foreach_lerp_(self.slow, fast, [alpha[p.dtype] for p in fast])
+        torch._foreach_lerp_(fast, self.slow, [sync[p.dtype] for p in fast])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -65,7 +97,7 @@ class Lookahead(WrappedOptimizer):
         state = self.optimizer.state_dict()
         state["lookahead"] = {
             "slow": [s.clone() for s in self.slow],
-            "step": self.lookahead_step,
+            "step": self._steps_taken(),
             "k": self.k,
             "alpha": self.alpha,
         }
@@ -83,3 +115,9 @@ class Lookahead(WrappedOptimizer):
             for slow, value in zip(self.slow, saved["slow"]):
                 slow.copy_(value)
         self.lookahead_step = int(saved["step"])
+        if self._device_step is not None:
+            self._device_step.fill_(self.lookahead_step)
+
+    def _steps_taken(self) -> int:
+        """Steps so far; a captured step that was replayed counts only on the device."""
+        return int(self._device_step.item()) if self._device_step is not None else self.lookahead_step

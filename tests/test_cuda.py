@@ -1,0 +1,298 @@
+"""On a GPU: every optimizer's step without a host sync and inside a CUDA graph, LARS and LAMB against their
+float64 references, run.py end to end (nccl, AMP, channels-last, compile, SyncBN, pinned workers), and fp16
+overflow skipping a step. Those tests are marked `cuda` and skip without a CUDA device (`make gpu-check`
+runs them). The code paths a CUDA graph needs (capturable LAMB and Lookahead) are also checked here on the CPU.
+"""
+
+import copy
+import csv
+import math
+
+import pytest
+import torch
+from multiproc import python_run, torchrun
+from test_lamb_lookahead import reference_lamb, reference_lookahead_sgd
+from test_lars import STEPS, grads_for, initial, lr_at, make_params, reference_lars
+from torch import nn
+
+from lamb import LAMB
+from lars import LARS, LARSWrapper
+from lookahead import Lookahead
+
+NO_CUDA = "no CUDA device visible"
+HAS_CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
+
+def cuda_test(test):
+    """Marked `cuda` (`pytest -m cuda` selects it) and skipped where torch sees no CUDA device."""
+    return pytest.mark.cuda(pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)(test))
+
+
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=NO_CUDA if not GPUS else f"needs 2 CUDA devices, {GPUS} visible")
+
+
+def run_steps(opt, params, steps, first=0):
+    """The test_lars schedule: LR lr_at(step) and gradients grads_for(step), on the parameters' device."""
+    for step in range(first, first + steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        for p, g in zip(params, grads_for(step, params)):
+            p.grad = g.to(p.device)
+        opt.step()
+
+
+def on_cuda(params):
+    return [nn.Parameter(p.detach().cuda()) for p in params]
+
+
+def max_error(params, expected) -> float:
+    return max((p.detach().cpu().double() - e).abs().max().item() for p, e in zip(params, expected))
+
+
+# --- The capturable code paths, on the CPU (no GPU needed) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("bias_correction, lars_on, wd", [(True, True, 0.01), (False, True, 0.0), (True, False, 0.01)])
+def test_capturable_lamb_matches_algorithm_2(bias_correction, lars_on, wd):
+    params = make_params()
+    start = initial(params)
+    opt = LAMB(
+        [{"params": params, "lars": lars_on}],
+        lr=0.01,
+        weight_decay=wd,
+        bias_correction=bias_correction,
+        capturable=True,
+    )
+    run_steps(opt, params, STEPS)
+    assert all(isinstance(s["step"], torch.Tensor) and s["step"].item() == STEPS for s in opt.state.values())
+    assert max_error(params, reference_lamb(start, STEPS, (0.9, 0.999), 1e-6, wd, bias_correction, lars_on)) <= 1e-6
+
+
+def test_lamb_continues_a_run_across_capturable_and_plain_steps():
+    params = make_params()
+    start = initial(params)
+    opt = LAMB(params, lr=0.01)
+    run_steps(opt, params, 7)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a checkpoint's groups carry its own `capturable`
+    for group in opt.param_groups:
+        group["capturable"] = True
+    run_steps(opt, params, 7, first=7)
+    assert all(isinstance(s["step"], torch.Tensor) and s["step"].item() == 14 for s in opt.state.values())
+    for group in opt.param_groups:
+        group["capturable"] = False
+    run_steps(opt, params, STEPS - 14, first=14)
+    assert all(s["step"] == STEPS for s in opt.state.values())
+    assert max_error(params, reference_lamb(start, STEPS, (0.9, 0.999), 1e-6, 0.01, True, True)) <= 1e-6
+
+
+def test_capturable_lookahead_syncs_after_steps_3_6_9_like_the_plain_one():
+    params, twin = make_params(), make_params()
+    start = initial(params)
+    opt = Lookahead(torch.optim.SGD(params, lr=0.05), k=3, alpha=0.5, capturable=True)
+    plain = Lookahead(torch.optim.SGD(twin, lr=0.05), k=3, alpha=0.5)
+    for step in range(10):
+        for ps, o in ((params, opt), (twin, plain)):
+            for p, g in zip(ps, grads_for(step, ps)):
+                p.grad = g
+            o.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, twin)), step
+    fast, slow, syncs = reference_lookahead_sgd(start, 10, 3, 0.5)
+    assert syncs == [3, 6, 9] and opt.state_dict()["lookahead"]["step"] == 10
+    assert max_error(params, fast) <= 1e-6 and max_error(opt.slow, slow) <= 1e-6
+
+
+# --- Optimizers on the GPU --------------------------------------------------------------------------------------
+
+SHAPES = [(64, 3, 7, 7), (64,), (256, 64, 1, 1), (1000, 2048), (1000,), (3,)]
+
+
+def cuda_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g).cuda()) for s in SHAPES]
+
+
+def cuda_grads(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(s, generator=g) * 1e-2).cuda() for s in SHAPES]
+
+
+def sgd(ps):
+    return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+CAPTURABLE = {
+    "LARS(foreach)": lambda ps: LARS(ps, lr=0.1, weight_decay=1e-4, trust_coefficient=0.02, foreach=True),
+    "LARSWrapper(SGD)": lambda ps: LARSWrapper(sgd(ps), trust_coefficient=0.02),
+    "LARSWrapper(AdamW)": lambda ps: LARSWrapper(torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2, capturable=True)),
+    "LAMB": lambda ps: LAMB(ps, lr=1e-3, capturable=True),
+    "Lookahead(SGD)": lambda ps: Lookahead(sgd(ps), k=3, alpha=0.5, capturable=True),
+}
+# As users build them by default (run.py does): these must not sync either.
+DEFAULTS = {
+    "LAMB default": lambda ps: LAMB(ps, lr=1e-3),
+    "Lookahead(SGD) default": lambda ps: Lookahead(sgd(ps), k=3),
+    "LARSWrapper(AdamW) default": lambda ps: LARSWrapper(torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2)),
+}
+
+
+@cuda_test
+@pytest.mark.parametrize("make", [*CAPTURABLE.values(), *DEFAULTS.values()], ids=[*CAPTURABLE, *DEFAULTS])
+def test_step_makes_no_host_sync(make):
+    params = cuda_params()
+    opt = make(params)
+    for step in range(3):  # steps 1 and 2 create the state; step 3 is checked (Lookahead, k=3, syncs there)
+        for p, g in zip(params, cuda_grads(step)):
+            p.grad = g
+        torch.cuda.synchronize()
+        if step == 2:
+            torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation raises
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(bool(torch.isfinite(p).all()) for p in params)
+
+
+@cuda_test
+@pytest.mark.parametrize("make", CAPTURABLE.values(), ids=CAPTURABLE.keys())
+def test_step_replays_in_a_cuda_graph_as_it_runs_eagerly(make):
+    warmup, replays = 3, 7  # Lookahead k=3 syncs at steps 3 (eager), 6 and 9 (replayed)
+    params, twin = cuda_params(), cuda_params()
+    start = [p.detach().clone() for p in params]
+    static_grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, static_grads):
+        p.grad = g
+    opt = make(params)
+
+    def load(step):
+        for static, new in zip(static_grads, cuda_grads(step)):
+            static.copy_(new)
+
+    side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for step in range(warmup):
+            load(step)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for step in range(warmup, warmup + replays):
+        load(step)
+        graph.replay()
+
+    eager = make(twin)
+    for step in range(warmup + replays):
+        for p, g in zip(twin, cuda_grads(step)):
+            p.grad = g
+        eager.step()
+    torch.cuda.synchronize()
+    assert not any(torch.equal(p, s) for p, s in zip(params, start))  # the replays moved every weight
+    for p, e in zip(params, twin):
+        torch.testing.assert_close(p, e, rtol=1e-6, atol=1e-6)
+
+
+@cuda_test
+@pytest.mark.parametrize(
+    "momentum, wd, nesterov, lars_on",
+    [(0.9, 0.0, False, True), (0.9, 1e-2, False, True), (0.9, 1e-2, True, True), (0.9, 1e-2, False, False)],
+)
+def test_lars_fp32_on_cuda_equals_the_float64_reference(momentum, wd, nesterov, lars_on):
+    start = initial(make_params())
+    params = on_cuda(start)
+    opt = LARS(
+        [{"params": params, "lars": lars_on}],
+        lr=0.1,
+        momentum=momentum,
+        weight_decay=wd,
+        trust_coefficient=0.02,
+        nesterov=nesterov,
+    )
+    run_steps(opt, params, STEPS)
+    assert max_error(params, reference_lars(start, STEPS, momentum, wd, 0.02, 1e-8, nesterov, lars_on)) <= 1e-5
+
+
+@cuda_test
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("bias_correction, lars_on, wd", [(True, True, 0.01), (False, True, 0.0), (True, False, 0.01)])
+def test_lamb_fp32_on_cuda_equals_the_float64_reference(bias_correction, lars_on, wd, capturable):
+    start = initial(make_params())
+    params = on_cuda(start)
+    opt = LAMB(
+        [{"params": params, "lars": lars_on}],
+        lr=0.01,
+        weight_decay=wd,
+        bias_correction=bias_correction,
+        capturable=capturable,
+    )
+    run_steps(opt, params, STEPS)
+    assert max_error(params, reference_lamb(start, STEPS, (0.9, 0.999), 1e-6, wd, bias_correction, lars_on)) <= 1e-5
+
+
+@cuda_test
+@pytest.mark.parametrize("make", [sgd, lambda ps: LARS(ps, lr=0.1, weight_decay=1e-4)], ids=["SGD", "LARS"])
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(make):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).cuda()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = make(model.parameters())
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(torch.randn(32, 8, device="cuda"))
+    loss = out.float().pow(2).sum() * 1e30  # its gradient overflows float16 on the way back
+    scaler.scale(loss).backward()
+    assert not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**15
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert len(opt.state) == 0  # step() never ran: no momentum buffer either
+
+
+# --- run.py end to end, as a user types it ----------------------------------------------------------------------
+
+COMMON = ["--device", "cuda", "-e", "1", "--no-progress", "-n", "r"]
+ONE_GPU_FLAGS = {
+    "nccl": [],
+    "amp fp16": ["--amp", "fp16"],
+    "amp bf16": ["--amp", "bf16"],
+    "channels-last": ["--channels-last"],
+    "compile": ["--compile"],
+    "workers 2 pinned": ["--workers", "2"],
+    "lars": ["--optimizer", "lars"],
+    "lamb lookahead": ["--optimizer", "lamb", "--lookahead"],
+}
+
+
+def assert_trained(result, run_dir):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    assert "--compile is not available" not in result.stdout + result.stderr  # run.py's eager fallback
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and math.isfinite(float(rows[0]["val_loss"])), rows
+
+
+@cuda_test
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("flags", ONE_GPU_FLAGS.values(), ids=ONE_GPU_FLAGS.keys())
+def test_torchrun_one_gpu(flags, tmp_path):
+    result = torchrun([*COMMON, "--backend", "nccl", "--runs-dir", str(tmp_path), *flags], nproc=1, timeout=540)
+    assert_trained(result, tmp_path / "r")
+
+
+@cuda_test
+@pytest.mark.timeout(600)
+def test_plain_python_on_one_gpu(tmp_path):
+    assert_trained(python_run([*COMMON, "--runs-dir", str(tmp_path)], timeout=540), tmp_path / "r")
+
+
+@cuda_test
+@two_gpus
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("flags", [[], ["--sync-bn"]], ids=["nccl", "sync-bn"])
+def test_torchrun_two_gpus(flags, tmp_path):
+    result = torchrun([*COMMON, "--backend", "nccl", "--runs-dir", str(tmp_path), *flags], nproc=2, timeout=540)
+    assert_trained(result, tmp_path / "r")
