@@ -102,10 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="what is trained: a task class in a file (default: task.py:Task, image classification)",
     )
     g.add_argument(
+        "--monitor-metric",
         "--monitor",
+        dest="monitor",
         default=None,
         metavar="METRIC",
-        help="the validation metric that picks best.pt and drives early stopping and plateau (default: the task's)",
+        help="the validation metric that picks best.pt and drives early stopping and plateau (default: the task's); "
+        "under torchrun spell it --monitor-metric: torchrun takes --monitor for its own --monitor-interval",
     )
     g.add_argument(
         "--overwrite",
@@ -424,7 +427,7 @@ def monitored_metric(task_class: type, flag: str | None) -> str:
     name = flag if flag is not None else getattr(task_class, "monitor", "loss")
     bare = name[4:] if name.startswith("val_") else name
     if bare not in names:
-        where = "--monitor" if flag is not None else f"the task's monitor {name!r}"
+        where = "--monitor-metric" if flag is not None else f"the task's monitor {name!r}"
         raise UserError(f"{where} {name!r} is not a reported metric: use one of {', '.join(names)}")
     return f"val_{bare}"
 
@@ -560,7 +563,7 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
         raise UserError("--batch-lr-rule needs --batch-trace FILE")
     if cfg.nesterov and cfg.momentum == 0:
         raise UserError("--nesterov needs --momentum > 0")
-    if cfg.device == "cpu" and cfg.backend == "nccl":
+    if cfg.backend == "nccl" and (cfg.device == "cpu" or _runs_on_cpu(cfg)):
         raise UserError("--backend nccl needs CUDA devices; use --backend gloo with --device cpu")
     if cfg.sync_bn and _launch_world_size() > 1 and _runs_on_cpu(cfg):
         raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")

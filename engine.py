@@ -86,9 +86,9 @@ def report(task, sum_names: list[str], prefix: str, values: list[float], count: 
 
 
 def check_task(task, model: nn.Module, dataset) -> list[str]:
-    """One forward pass and loss on two training samples, before any process group: initialises lazy modules,
+    """One forward pass and loss on four training samples, before any process group: initialises lazy modules,
     and turns a model that does not fit the loss into one line. Returns the task's metric-sum names."""
-    inputs, targets = torch.utils.data.default_collate([dataset[i] for i in range(min(2, len(dataset)))])
+    inputs, targets = torch.utils.data.default_collate([dataset[i] for i in range(min(4, len(dataset)))])
     training = model.training
     model.eval()  # no BatchNorm statistics change
     try:
@@ -106,9 +106,13 @@ def check_task(task, model: nn.Module, dataset) -> list[str]:
         model.train(training)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise UserError("the task's loss() must return the batch mean as a scalar tensor, e.g. F.mse_loss(...)")
-    reported = set(report(task, list(sums), "", [0.0] * (len(sums) + 1), 2.0)) - {"_loss"}
+    values = [float(loss) * len(targets), *(float(v) for v in sums.values())]
+    try:  # the names metrics() reports, from these samples' sums (a degenerate sample may not compute: no check)
+        reported = set(report(task, list(sums), "", values, float(len(targets)))) - {"_loss"}
+    except ArithmeticError:
+        reported = None
     declared = {f"_{name}" for name in getattr(task, "better", {})}
-    if reported != declared:
+    if reported is not None and reported != declared:
         raise UserError(
             f"the task reports metrics {sorted(m[1:] for m in reported)} but its `better` names "
             f"{sorted(m[1:] for m in declared)}: give each reported metric 'min' or 'max' in `better`"

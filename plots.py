@@ -17,22 +17,24 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
 
 
 def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None, steps_per_epoch: int = 0) -> Path:
-    """Write run_dir/curves.png: loss, accuracy and LR against epoch (the LR per step too, when traced)."""
+    """Write run_dir/curves.png: one panel per reported metric (train and validation against epoch; the loss
+    first), and the LR (per step too, when traced). The panels follow metrics.csv's columns, i.e. the task."""
     rows = read_metrics(run_dir)
     epochs = [r["epoch"] for r in rows]
-    fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(14, 4))
-    ax_loss.plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
-    ax_loss.plot(epochs, [r["val_loss"] for r in rows], "o-", label="validation")
-    ax_loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
-    ax_acc.plot(epochs, [100 * r["train_acc"] for r in rows], "o-", label="train")
-    ax_acc.plot(epochs, [100 * r["val_acc"] for r in rows], "o-", label="validation")
-    ax_acc.set(title="Accuracy", xlabel="epoch", ylabel="top-1 accuracy (%)")
+    names = [k[len("val_") :] for k in rows[0] if k.startswith("val_")]
+    fig, axes = plt.subplots(1, len(names) + 1, figsize=(4.6 * (len(names) + 1), 4))
+    for ax, name in zip(axes, names):
+        for split, label in (("train", "train"), ("val", "validation")):
+            if f"{split}_{name}" in rows[0]:
+                ax.plot(epochs, [r[f"{split}_{name}"] for r in rows], "o-", label=label)
+        ax.set(title=name, xlabel="epoch", ylabel=name)
+    ax_lr = axes[-1]
     ax_lr.plot(epochs, [r["lr"] for r in rows], "o", label="end of epoch")
     if lr_trace and steps_per_epoch:
         ax_lr.plot([step / steps_per_epoch for step, _ in lr_trace], [lr for _, lr in lr_trace], "-", lw=1,
                    label="per optimizer step")  # fmt: skip
-    ax_lr.set(title="Learning rate", xlabel="epoch", ylabel="learning rate")
-    for ax in (ax_loss, ax_acc, ax_lr):
+    ax_lr.set(title="learning rate", xlabel="epoch", ylabel="learning rate")
+    for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(Path(run_dir).name)

@@ -78,7 +78,7 @@ def _model():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
 
-def _traced_run(rank, world_size, trace, rule="none", lr=1.0, schedule=None, adascale=None):
+def _traced_run(rank, world_size, trace, rule="none", lr=1.0, schedule=None, adascale=None, clip=0.0):
     """run.py's loop (engine.train_one_epoch) over one traced epoch: the weights after every step."""
     train_set, _ = image_data.digits()
     model = _model()
@@ -86,7 +86,8 @@ def _traced_run(rank, world_size, trace, rule="none", lr=1.0, schedule=None, ada
     plan = Plan(len(train_set), world_size, MICRO, 1, 0, lr, 8, 4, 4, 0, tuple(trace), rule)
     steps = plan.epoch(1, rank)
     reduction = batch_trace.TraceReduction(list(model.parameters()), MICRO, adascale)
-    t = tiny.training(model, opt, schedule and schedule(opt), reduction=reduction, adascale_progress=bool(adascale))
+    t = tiny.training(model, opt, schedule and schedule(opt), reduction=reduction, adascale_progress=bool(adascale),
+                      clip_grad_norm=clip)  # fmt: skip
     history = []
 
     def record(done, sums):
@@ -123,6 +124,27 @@ def test_each_step_uses_the_exact_mean_gradient_of_its_global_batch(world_size):
     steps = batch_trace.epoch_steps(len(image_data.digits()[0]), TRACE, 0, 0, 1, False)
     assert_each_step_matches_one_process(results, steps)
     assert len(results[0]) == 4
+
+
+def _clipped_trace_on_ranks(rank, world_size):
+    return _traced_run(rank, world_size, TRACE, lr=1.0, clip=0.05)[0]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_traced_step_clips_the_reduced_gradient(world_size):
+    results = run_ranks(_clipped_trace_on_ranks, world_size)
+    # Ground truth, one process: the mean gradient over the step's B_i samples, scaled to norm 0.05 if longer.
+    train_set, _ = image_data.digits()
+    model = _model()
+    for step, (_, indices) in enumerate(batch_trace.epoch_steps(len(train_set), TRACE, 0, 0, 1, False)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(train_set.inputs[indices]), train_set.targets[indices]).backward()
+        norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad * min(1.0, 0.05 / (norm + 1e-6))
+        for history in results:
+            assert all((a - b).abs().max().item() <= 1e-6 for a, b in zip(history[step], model.parameters()))
 
 
 def test_lr_rules_by_hand():
@@ -216,6 +238,52 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
     b = torch.load(tmp_path / "part" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not math.isnan(float(rows("full")[-1]["val_loss"]))
+
+
+@pytest.mark.timeout(400)
+def test_traced_run_with_fp16_and_clipping_resumes_mid_epoch_bit_identically(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    trace = str(REPO / "examples" / "traces" / "doubling.csv")
+    flags = ["--batch-trace", trace, "--batch-size", "8", "--trace-end", "repeat-last", "--amp", "fp16",
+             "--clip-grad-norm", "1.0", "--batch-lr-rule", "linear", "--epochs", "2", "--no-progress",
+             "--runs-dir", str(tmp_path)]  # fmt: skip
+    full = torchrun([*flags, "-n", "full"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "run.py"), *flags, "-n", "part", "--checkpoint-every-steps", "3"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "part" / "last.pt").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "preempted at epoch 1" in out, (out + err)[-3000:]
+    saved = torch.load(tmp_path / "part" / "last.pt", weights_only=True)
+    assert saved["step_in_epoch"] > 0 and saved["scaler"] is not None  # mid-epoch, with the GradScaler's state
+    rest = torchrun([*flags, "-n", "part", "--resume", "auto"])
+    assert rest.returncode == 0, rest.stderr[-3000:]
+
+    def rows(name):
+        with open(tmp_path / name / "metrics.csv", newline="") as f:
+            return [{k: v for k, v in r.items() if k not in ("epoch_seconds", "samples_per_second")}
+                    for r in csv.DictReader(f)]  # fmt: skip
+
+    assert rows("full") == rows("part")
+    a = torch.load(tmp_path / "full" / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "part" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the trace's real batch sizes are logged: each epoch's mean global batch, from the trace rows it used
+    sizes = batch_trace.load_trace(trace)
+    first = batch_trace.epoch_steps(1438, sizes, 0, 0, 1, True)
+    second = batch_trace.epoch_steps(1438, sizes, len(first), 0, 2, True)
+    expected = [sum(len(i) for _, i in steps) / len(steps) for steps in (first, second)]
+    assert [float(r["global_batch"]) for r in rows("full")] == pytest.approx(expected)
+    assert expected[1] > expected[0]
 
 
 def _original_loop(rank, world_size, rule="none", stop_after=None, resume=None):

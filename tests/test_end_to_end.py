@@ -32,6 +32,7 @@ def test_torchrun_two_ranks_writes_a_complete_run_folder(tmp_path):
         "val_loss",
         "val_acc",
         "lr",
+        "global_batch",
         "epoch_seconds",
         "samples_per_second",
         "skipped_steps",
@@ -39,6 +40,10 @@ def test_torchrun_two_ranks_writes_a_complete_run_folder(tmp_path):
     assert float(rows[-1]["val_acc"]) > 0.9
     config = json.loads((run_dir / "config.json").read_text())
     assert config["world_size"] == 2 and config["global_batch_size"] == 64
+    # what a reader needs to reproduce the run, besides its flags
+    assert config["task_info"] == {"in_channels": 1, "num_classes": 10}
+    assert config["train_samples"] == 1438 and config["val_samples"] == 359 and config["torch_version"]
+    assert config["command"] and config["started"] and "git_commit" in config
     last_line = result.stdout.strip().splitlines()[-1]
     assert "best val_loss" in last_line and str(run_dir) in last_line
     assert "epoch 2:" in (run_dir / "train.log").read_text()
@@ -98,7 +103,7 @@ def test_bad_flag_exits_2_on_every_rank_printed_once(tmp_path):
     result = torchrun(["--epochs", "0", "--runs-dir", str(tmp_path)])
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    assert len(lines) == 1 and "--epochs: must be a positive integer, got 0" in lines[0]
+    assert len(lines) == 1 and "--epochs: must be a positive integer, got '0'" in lines[0]
     assert "exitcode  : 2" in result.stderr
     assert f'File "{REPO / "run.py"}"' not in result.stderr  # torchrun's own report only, no trace of ours
     assert not any(tmp_path.iterdir())  # nothing written
