@@ -19,11 +19,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import config  # noqa: E402
 import data  # noqa: E402
+import image_data  # noqa: E402
 import models  # noqa: E402
+import plan  # noqa: E402
 import schedulers  # noqa: E402
-from engine import AMP_DTYPES, Training, train_one_epoch  # noqa: E402
+from engine import Training, train_one_epoch  # noqa: E402
 from lars import LARS  # noqa: E402
+from precision import DTYPES, Precision  # noqa: E402
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -74,24 +78,26 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
 
-    digits = data._digits()
+    train_set, _ = image_data.digits()
     train_set = data.InMemoryDataset(
-        digits.train_set.inputs.repeat(args.copies, 1, 1, 1), digits.train_set.targets.repeat(args.copies)
+        train_set.inputs.repeat(args.copies, 1, 1, 1), train_set.targets.repeat(args.copies)
     )
-    cfg = argparse.Namespace(batch_size=args.batch_size, seed=0, workers=0, prefetch_factor=2)
-    loader = data.train_loader(cfg, train_set, 0, 1, device)
-    amp_dtype = AMP_DTYPES[args.amp]
+    the_plan = plan.make(num_train=len(train_set), world_size=1, micro_batch=args.batch_size, accum_steps=1,
+                         epochs=1, seed=0, base_lr=0.01, lr_scaling="keep", base_batch=args.batch_size,
+                         warmup_epochs=0)  # fmt: skip
+    loader = data.train_loader(train_set, 0, device, seed=0)
+    amp_dtype = DTYPES[args.amp]
+    flags, task_class = config.parse(["--model", args.model])  # the built-in task: its loss and accuracy
 
     model_t, opt_t = build(args, device)
-    training = Training(
-        model_t, opt_t, schedulers.Schedule(schedulers.WarmupDecay(opt_t, 0, 0)), device, amp_dtype=amp_dtype,
-        scaler=torch.amp.GradScaler(device.type) if args.amp == "fp16" else None,
-    )  # fmt: skip
+    training = Training(model_t, opt_t, schedulers.Schedule(schedulers.WarmupDecay(opt_t, 0, 0)), task_class(flags),
+                        ["acc"], Precision(args.amp, device), device)  # fmt: skip
     model_b, opt_b = build(args, device)
     scaler_b = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
+    steps = []
 
     def template():
-        train_one_epoch(training, loader, log_interval=20)
+        train_one_epoch(training, steps, loader, log_interval=20)
 
     def bare():
         bare_epoch(model_b, opt_b, loader, device, amp_dtype, scaler_b)
@@ -104,14 +110,15 @@ def main() -> None:
     order = [("template", template), ("bare", bare), ("data", data_only)]
     for run in range(args.repeats + 1):  # the first round warms up; the order alternates so neither loop gains
         for name, fn in order if run % 2 else order[::-1]:
-            loader.sampler.set_epoch(run)
+            steps[:] = the_plan.epoch(run, 0)  # DistributedSampler's order for this epoch, as run.py draws it
+            loader.batch_sampler.start(steps)
             sync(device)
             start = time.perf_counter()
             fn()
             sync(device)
             if run:
                 timings[name].append(time.perf_counter() - start)
-    samples = len(loader.sampler)
+    samples = len(train_set)
     template_s, bare_s, data_s = (statistics.median(timings[k]) for k in ("template", "bare", "data"))
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, model {args.model}, "
           f"batch {args.batch_size}, amp {args.amp}, optimizer {args.optimizer}, {samples} samples per epoch, "
