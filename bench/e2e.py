@@ -1,8 +1,11 @@
 """run.py's own training loop (engine.train_one_epoch) against a minimal bare loop doing the same work: same
 model, data, batch, optimizer and AMP setting, measured interleaved in one run after warm-up. Also the data
-path alone (loader iteration without the model). The last line is one JSON object.
+path alone (loader iteration without the model), and the bare loop on one batch already resident on the
+device (the model's own ceiling: no data path at all). The last line is one JSON object.
 
     python bench/e2e.py [--model toy] [--batch-size 32] [--amp off|bf16|fp16] [--optimizer sgd|lars] [--repeats 7]
+    python bench/e2e.py --data imagenet --model resnet50 --amp bf16 --channels-last --batch-size 128 \
+        --optimizer lars --device cuda        # synthetic ImageNet-shaped data (3x224x224, 1000 classes)
 """
 
 from __future__ import annotations
@@ -36,19 +39,22 @@ def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimi
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
 
 
-def build(args, device):
+def build(args, device, channels: int, classes: int):
     torch.manual_seed(0)
-    model = models.build(args.model, 1, 10).to(device)
+    memory_format = torch.channels_last if args.channels_last else torch.preserve_format
+    model = models.build(args.model, channels, classes).to(device, memory_format=memory_format)
     optimizer = make_optimizer(args.optimizer, model, 0.01)
     return model, optimizer
 
 
-def bare_epoch(model, optimizer, loader, device, amp_dtype, scaler) -> None:
+def bare_epoch(model, optimizer, batches, device, amp_dtype, scaler, channels_last=False) -> None:
     """The loop a user would write by hand: forward, backward, step; nothing else."""
     model.train()
     criterion = nn.CrossEntropyLoss()
-    for inputs, targets in loader:
+    for inputs, targets in batches:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        if channels_last:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = criterion(model(inputs).float(), targets)
         if scaler is not None:
@@ -75,13 +81,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="epochs timed for each loop (median)")
     parser.add_argument("--copies", type=int, default=4, help="the digits training set repeated, for longer epochs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--data", choices=("digits", "imagenet"), default="digits",
+                        help="imagenet: synthetic 3x224x224 images in memory, 1000 classes")  # fmt: skip
+    parser.add_argument("--samples", type=int, default=2048, help="--data imagenet: images per epoch")
+    parser.add_argument("--channels-last", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
 
-    train_set, _ = image_data.digits()
-    train_set = data.InMemoryDataset(
-        train_set.inputs.repeat(args.copies, 1, 1, 1), train_set.targets.repeat(args.copies)
-    )
+    if args.data == "digits":
+        digits, _ = image_data.digits()
+        train_set = data.InMemoryDataset(digits.inputs.repeat(args.copies, 1, 1, 1), digits.targets.repeat(args.copies))
+        channels, classes = 1, 10
+    else:
+        generator = torch.Generator().manual_seed(0)
+        images = torch.randn(args.samples, 3, 224, 224, generator=generator)
+        train_set = data.InMemoryDataset(images, torch.randint(0, 1000, (args.samples,), generator=generator))
+        channels, classes = 3, 1000
     the_plan = plan.make(num_train=len(train_set), world_size=1, micro_batch=args.batch_size, accum_steps=1,
                          epochs=1, seed=0, base_lr=0.01, lr_scaling="keep", base_batch=args.batch_size,
                          warmup_epochs=0)  # fmt: skip
@@ -89,10 +104,10 @@ def main() -> None:
     amp_dtype = DTYPES[args.amp]
     flags, task_class = config.parse(["--model", args.model])  # the built-in task: its loss and accuracy
 
-    model_t, opt_t = build(args, device)
+    model_t, opt_t = build(args, device, channels, classes)
     training = Training(model_t, opt_t, schedulers.Schedule(schedulers.WarmupDecay(opt_t, 0, 0)), task_class(flags),
-                        ["acc"], Precision(args.amp, device), device)  # fmt: skip
-    model_b, opt_b = build(args, device)
+                        ["acc"], Precision(args.amp, device), device, channels_last=args.channels_last)  # fmt: skip
+    model_b, opt_b = build(args, device, channels, classes)
     scaler_b = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     steps = []
 
@@ -100,14 +115,19 @@ def main() -> None:
         train_one_epoch(training, steps, loader, log_interval=20)
 
     def bare():
-        bare_epoch(model_b, opt_b, loader, device, amp_dtype, scaler_b)
+        bare_epoch(model_b, opt_b, loader, device, amp_dtype, scaler_b, args.channels_last)
+
+    def resident():  # one batch already on the device, used for every step: the model's own ceiling
+        first = next(iter(loader))
+        batch = (first[0].to(device), first[1].to(device))
+        bare_epoch(model_b, opt_b, [batch] * len(loader), device, amp_dtype, scaler_b, args.channels_last)
 
     def data_only():
         for inputs, targets in loader:
             inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
-    timings = {"template": [], "bare": [], "data": []}
-    order = [("template", template), ("bare", bare), ("data", data_only)]
+    timings = {"template": [], "bare": [], "data": [], "resident": []}
+    order = [("template", template), ("bare", bare), ("data", data_only), ("resident", resident)]
     for run in range(args.repeats + 1):  # the first round warms up; the order alternates so neither loop gains
         for name, fn in order if run % 2 else order[::-1]:
             steps[:] = the_plan.epoch(run, 0)  # DistributedSampler's order for this epoch, as run.py draws it
@@ -119,14 +139,16 @@ def main() -> None:
             if run:
                 timings[name].append(time.perf_counter() - start)
     samples = len(train_set)
-    template_s, bare_s, data_s = (statistics.median(timings[k]) for k in ("template", "bare", "data"))
+    template_s, bare_s, data_s, resident_s = (statistics.median(timings[k]) for k in timings)
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, model {args.model}, "
           f"batch {args.batch_size}, amp {args.amp}, optimizer {args.optimizer}, {samples} samples per epoch, "
           f"median of {args.repeats} epochs")  # fmt: skip
     print(f"  bare loop      {samples / bare_s:9.0f} samples/s  ({bare_s:.3f} s/epoch)")
     print(f"  template loop  {samples / template_s:9.0f} samples/s  ({template_s:.3f} s/epoch)")
     print(f"  data path only {samples / data_s:9.0f} samples/s  ({data_s:.3f} s/epoch)")
-    print(f"  template / bare time per step: {template_s / bare_s:.3f}")
+    print(f"  resident batch {samples / resident_s:9.0f} samples/s  ({resident_s:.3f} s/epoch: the model's ceiling)")
+    print(f"  template / bare time per step: {template_s / bare_s:.3f}; bare throughput / resident ceiling: "
+          f"{resident_s / bare_s:.3f}")  # fmt: skip
     print(
         json.dumps(
             {
@@ -134,6 +156,7 @@ def main() -> None:
                 "template_samples_per_s": round(samples / template_s),
                 "bare_samples_per_s": round(samples / bare_s),
                 "data_epoch_seconds": round(data_s, 4),
+                "bare_vs_resident_throughput": round(resident_s / bare_s, 3),
             }
         )
     )

@@ -296,3 +296,40 @@ def test_plain_python_on_one_gpu(tmp_path):
 def test_torchrun_two_gpus(flags, tmp_path):
     result = torchrun([*COMMON, "--backend", "nccl", "--runs-dir", str(tmp_path), *flags], nproc=2, timeout=540)
     assert_trained(result, tmp_path / "r")
+
+
+@cuda_test
+def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
+    """run.py's loop (engine.train_one_epoch) on one GPU: from step 3 to step 11 any host-device synchronisation
+    raises (`set_sync_debug_mode("error")`); the logging interval (1000) is never reached, so none is expected."""
+    import tiny
+
+    import data
+    import image_data
+    import plan
+    from engine import train_one_epoch
+    from precision import Precision
+
+    device = torch.device("cuda")
+    train_set, _ = image_data.digits()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    t = tiny.training(model, opt)
+    t.device, t.precision = device, Precision("off", device)
+    steps = plan.make(num_train=len(train_set), world_size=1, micro_batch=32, accum_steps=2, epochs=1, seed=0,
+                      base_lr=0.05, lr_scaling="keep", base_batch=64, warmup_epochs=0).epoch(1, 0)[:12]  # fmt: skip
+    loader = data.train_loader(train_set, 0, device, seed=0)
+    loader.batch_sampler.start(steps)
+    seen = []
+
+    def after_step(done, current_sums):
+        seen.append(done)
+        torch.cuda.set_sync_debug_mode("error" if 2 <= done < 11 else 0)
+        return False
+
+    try:
+        row = train_one_epoch(t, steps, loader, log_interval=1000, after_step=after_step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert seen == list(range(1, 13)) and math.isfinite(row["train_loss"])

@@ -207,3 +207,59 @@ def test_sweep_passes_no_reference_batch_to_keep_scaling(tmp_path, monkeypatch):
     argv = ["--batch-sizes", "64", "--optimizers", "sgd", "--lr-scaling", "sgd=keep", "--out", str(tmp_path)]
     assert sweep.main(argv) == 0
     assert "--base-batch-size" not in commands[0] and config.parse(commands[0][commands[0].index("--optimizer") :])
+
+
+def _metrics_rows(run_dir):
+    return (run_dir / "metrics.csv").read_text().strip().splitlines()[1:]
+
+
+def test_a_run_name_in_use_is_refused_and_overwrite_starts_over(tmp_path, capsys):
+    flags = ["-n", "mlp", "--runs-dir", str(tmp_path), "--no-progress"]
+    assert run.main([*flags, "-e", "2"]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "mlp").iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert run.main([*flags, "-e", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a run: continue it with --resume auto" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mlp").iterdir() if p.is_file()} == before  # untouched
+    assert run.main([*flags, "-e", "1", "--overwrite"]) == 0
+    assert len(_metrics_rows(tmp_path / "mlp")) == 1  # the old run is gone, not mixed in
+    assert (tmp_path / "mlp" / "train.log").read_text().count("best val_loss") == 1
+
+
+def test_a_failed_resume_leaves_no_run_folder(tmp_path, capsys):
+    assert run.main(["--resume", str(tmp_path / "nope.pt"), "-n", "r", "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_a_runs_dir_that_cannot_be_written_is_one_line_even_for_root(capsys):
+    assert run.main(["--runs-dir", "/proc/runs", "-e", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write the run folder '/proc/runs/" in err
+
+
+def test_a_huge_learning_rate_says_no_checkpoint_was_written_and_logs_it(tmp_path, capsys):
+    assert run.main(["-l", "1000", "-n", "hot", "--runs-dir", str(tmp_path), "--no-progress", "-e", "1"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "non-finite loss" in err and "no checkpoint was written before it" in err
+    assert not (tmp_path / "hot" / "last.pt").exists()
+    assert "non-finite loss" in (tmp_path / "hot" / "train.log").read_text()
+
+
+def test_a_global_batch_larger_than_the_training_set_is_refused(capsys):
+    assert run.main(["-b", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert "the global batch 5000" in err and "exceeds the 1438 training samples: lower --batch-size" in err
+
+
+def test_help_answers_before_torch_is_imported():
+    import subprocess
+    import sys
+
+    from multiproc import REPO
+
+    result = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "run.py"), "--help"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0 and "--monitor-metric" in result.stdout and "--dataset" in result.stdout
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "config" in imported
