@@ -83,7 +83,7 @@ def capture(t, *, next_epoch: int, step_in_epoch: int, sums: torch.Tensor | None
     all_sums = gather_from_ranks(sums.to(t.device)).cpu() if sums is not None else None
     if rank != 0:
         return None
-    adascale = t.reduction.adascale if t.reduction is not None else None
+    adascale = t.adascale
     return {
         "model": t.raw_model.state_dict(),
         "optimizer": t.optimizer.state_dict(),
@@ -137,8 +137,8 @@ def restore(state: dict, t, early_stopping, rank: int, world_size: int, source: 
     t.precision.load_state_dict(state.get("scaler"))
     if early_stopping is not None and state.get("early_stopping"):
         early_stopping.load_state_dict(state["early_stopping"])
-    if t.reduction is not None and t.reduction.adascale is not None and state.get("adascale"):
-        t.reduction.adascale.load_state_dict(state["adascale"])
+    if t.adascale is not None and state.get("adascale"):
+        t.adascale.load_state_dict(state["adascale"])
     t.global_step = state["global_step"]
     t.skipped_steps = state.get("skipped_steps", 0)
     step_in_epoch = state.get("step_in_epoch", 0)

@@ -40,7 +40,6 @@ class Training:
     channels_last: bool = False
     on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
     reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
-    adascale_progress: bool = False  # AdaScale: the schedule advances by the gain r per step
     epoch: int = 0
     global_step: int = 0  # optimizer steps taken or skipped, over the whole run
     skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
@@ -50,6 +49,12 @@ class Training:
     @property
     def raw_model(self) -> nn.Module:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    @property
+    def adascale(self):
+        """AdaScale's estimator, in a traced run with --batch-lr-rule adascale: the LR and the schedule's
+        progress are scaled by its gain r each step."""
+        return self.reduction.adascale if self.reduction is not None else None
 
     @property
     def lr(self) -> float:
@@ -180,7 +185,7 @@ def train_one_epoch(
             count += len(targets)
         factor = step.lr_factor
         gain = t.reduction.finish(step.batch) if t.reduction is not None else 1.0
-        if t.adascale_progress:
+        if t.adascale is not None:
             factor *= gain
         if skip_nonfinite and any_rank(step_nonfinite.item(), t.device):
             t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
@@ -221,7 +226,7 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
     if not took_step:
         t.skipped_steps += 1
         return
-    if t.adascale_progress:  # scale-invariant progress: the schedule advances by r
+    if t.adascale is not None:  # scale-invariant progress: the schedule advances by r
         t.schedule.per_step.last_epoch += progress - 1
     t.schedule.step()
 

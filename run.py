@@ -117,7 +117,7 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
     t = engine.Training(
         model, optimizer, make_schedule(args, plan, optimizer, mode), task, sum_names,
         Precision(args.amp, dist.device, apex_amp), dist.device, clip_grad_norm=args.clip_grad_norm,
-        channels_last=args.channels_last, on_nonfinite=args.on_nonfinite, adascale_progress=adascale is not None,
+        channels_last=args.channels_last, on_nonfinite=args.on_nonfinite,
         reduction=batch_trace.TraceReduction(params, plan.micro_batch, adascale) if plan.traced else None,
     )  # fmt: skip
     early_stopping = EarlyStopping(args.early_stop_patience, delta=args.early_stop_delta, mode=mode) if (

@@ -86,7 +86,7 @@ def _traced_run(rank, world_size, trace, rule="none", lr=1.0, schedule=None, ada
     plan = Plan(len(train_set), world_size, MICRO, 1, 0, lr, 8, 4, 4, 0, tuple(trace), rule)
     steps = plan.epoch(1, rank)
     reduction = batch_trace.TraceReduction(list(model.parameters()), MICRO, adascale)
-    t = tiny.training(model, opt, schedule and schedule(opt), reduction=reduction, adascale_progress=bool(adascale),
+    t = tiny.training(model, opt, schedule and schedule(opt), reduction=reduction,
                       clip_grad_norm=clip)  # fmt: skip
     history = []
 
