@@ -50,6 +50,8 @@ class _Parser(argparse.ArgumentParser):
         known = [option for action in self._actions for option in action.option_strings]
         for token in extras:
             flag = token.split("=", 1)[0]
+            if flag in getattr(self, "builtin_task_flags", ()):
+                return f"; {flag} is a flag of the built-in task (task.py), and --task names another"
             if flag.startswith("-") and len(flag) > 2:
                 # suggest the dashed spellings; the original projects' snake_case ones only to snake_case
                 candidates = known if "_" in flag else [option for option in known if "_" not in option]
@@ -358,10 +360,17 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
     argv = sys.argv[1:] if argv is None else list(argv)
     task_flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     task_flag.add_argument("--task", default=DEFAULT_TASK)
-    task_class = load_task(task_flag.parse_known_args(argv)[0].task)
+    task_spec = task_flag.parse_known_args(argv)[0].task
+    task_class = load_task(task_spec)
     parser = build_parser()
     if hasattr(task_class, "add_arguments"):
         task_class.add_arguments(parser)
+    if task_spec != DEFAULT_TASK:  # so that --dataset with another task is explained, not "did you mean"
+        builtin = argparse.ArgumentParser(add_help=False)
+        load_task(DEFAULT_TASK).add_arguments(builtin)
+        parser.builtin_task_flags = {o for a in builtin._actions for o in a.option_strings} - {
+            o for a in parser._actions for o in a.option_strings
+        }
     cfg = parser.parse_args(argv)
     check(cfg, given_flags(parser, argv))
     cfg.monitor = monitored_metric(task_class, cfg.monitor)

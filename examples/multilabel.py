@@ -26,6 +26,10 @@ class DigitAttributes:
         g.add_argument("--hidden", type=int, default=128, help="units in the MLP's hidden layer")
 
     def __init__(self, args):
+        if args.hidden < 1:
+            from config import UserError
+
+            raise UserError(f"--hidden must be a positive number of units, got {args.hidden}")
         self.hidden = args.hidden
 
     def datasets(self):

@@ -37,6 +37,10 @@ class Diabetes:
         g.add_argument("--hidden", type=int, default=64, help="units in each of the MLP's two hidden layers")
 
     def __init__(self, args):
+        if args.hidden < 1:
+            from config import UserError
+
+            raise UserError(f"--hidden must be a positive number of units, got {args.hidden}")
         self.hidden = args.hidden
 
     def datasets(self):

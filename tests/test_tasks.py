@@ -263,6 +263,8 @@ class Unnamed(WrongOutput):
         ("{bad}:WrongOutput", [], "the task's model output (on inputs of shape (4, 5)) does not fit its loss"),
         ("{bad}:Unnamed", [], "the task reports metrics ['hits'] but its `better` names []"),
         ("task.py:Task", ["--monitor", "f1"], "--monitor-metric 'f1' is not a reported metric: use one of loss, acc"),
+        ("examples/regression.py:Diabetes", ["--dataset", "mnist"], "--dataset is a flag of the built-in task"),
+        ("examples/regression.py:Diabetes", ["--hidden", "0"], "--hidden must be a positive number of units, got 0"),
     ],
 )
 def test_a_mistake_in_a_task_is_one_line_exit_2_and_leaves_nothing(spec, extra, message, tmp_path, capsys):
