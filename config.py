@@ -440,7 +440,7 @@ def read_config(path: str) -> dict:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"--config {path} is not valid TOML ({error}): fix it, keys are flags: base-lr = 0.1") from None
+        raise UserError(f"--config {path} is not valid TOML ({error}); a flag is one line: base-lr = 0.1") from None
     except OSError as error:
         raise UserError(f"--config {path} cannot be read ({error.strerror}): check its permissions") from None
 

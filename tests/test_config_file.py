@@ -1,7 +1,10 @@
-"""`--config FILE.toml` (flags from a file, the command line overrides them), its bad-input catalogue, and the
-sweep's config file."""
+"""`--config FILE.toml` (flags from a file, the command line overrides them), its bad-input catalogue, the sweep's
+config file, and recipes/: every recipe resolves, the published ones hold the published numbers, and the ones for
+the data that ships here train."""
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,9 @@ from multiproc import REPO
 
 import config
 import run
+
+RECIPES = REPO / "recipes"
+MNIST = REPO.parent / "shared" / "data" / "mnist-t10k"
 
 
 def _write(tmp_path, text: str, name: str = "flags.toml") -> Path:
@@ -207,3 +213,114 @@ def test_the_sweep_refuses_a_bad_config_file_before_any_cell(tmp_path, monkeypat
         "would be ignored: add --lookahead or drop --lookahead-k"
     ]
     assert not (tmp_path / "out").exists()
+
+
+# --- recipes ---------------------------------------------------------------------------------------------------
+
+# NUS-HPC-AI-Lab/LARS-ImageNet-PyTorch README, "Performance on ImageNet":
+# effective batch -> (base LR, warmup epochs, epsilon, reported top-1)
+IMAGENET = {
+    512: (2**2, 10 / 2**6, 1e-5, "77.02 %"),
+    1024: (2**2.5, 10 / 2**5, 1e-5, "76.96 %"),
+    4096: (2**3.5, 10 / 2**3, 1e-5, "77.38 %"),
+    8192: (2**4, 10 / 2**2, 1e-5, "77.14 %"),
+    16384: (2**4.5, 5, 1e-5, "76.96 %"),
+    32768: (2**5, 14, 0.0, "76.75 %"),
+}
+# cmpark0126/pytorch-LARS README, "Attempt 3" (He init): batch -> (base LR, SGD top-1, LARS top-1)
+CIFAR10 = {
+    128: (0.05, "89.76 %", "90.11 %"),
+    256: (0.1, "90.08 %", "90.12 %"),
+    512: (0.2, "89.34 %", "90.11 %"),
+    1024: (0.4, "88.82 %", "90.02 %"),
+    2048: (0.8, "89.29 %", "90.02 %"),
+    4096: (1.6, "85.02 %", "88.38 %"),
+    8192: (3.2, "77.72 %", "86.40 %"),
+}
+SMALL = [f"{data}-{optimizer}.toml" for data in ("digits", "mnist") for optimizer in ("sgd", "lars", "lamb")]
+
+
+def _resolve(path: Path, tmp_path: Path):
+    """Flags and task of a recipe, with existing folders for the paths a user must give."""
+    folders = ["--train-dir", str(tmp_path), "--val-dir", str(tmp_path)] if "imagenet" in path.name else []
+    cfg, task_class = config.parse(["--config", str(path), *folders, "--runs-dir", str(tmp_path / "runs")])
+    task_class(cfg)  # the task's own checks (model name, image folders named, label smoothing)
+    return cfg
+
+
+def test_recipes_holds_every_row_of_both_tables_and_our_own():
+    expected = {f"imagenet-resnet50-lars-b{b}.toml" for b in IMAGENET}
+    expected |= {f"cifar10-resnet50-{o}-b{b}.toml" for b in CIFAR10 for o in ("sgd", "lars")}
+    assert {p.name for p in RECIPES.glob("*.toml")} == expected | set(SMALL)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.toml")))
+def test_every_recipe_resolves_to_a_valid_configuration(name, tmp_path):
+    cfg = _resolve(RECIPES / name, tmp_path)
+    assert cfg.config_file == str((RECIPES / name).resolve()) and cfg.task == "task.py:Task"
+
+
+@pytest.mark.parametrize("batch", IMAGENET)
+def test_imagenet_recipes_hold_the_published_row(batch, tmp_path):
+    path = RECIPES / f"imagenet-resnet50-lars-b{batch}.toml"
+    lr, warmup, epsilon, top1 = IMAGENET[batch]
+    cfg = _resolve(path, tmp_path)
+    assert cfg.base_lr == pytest.approx(lr, rel=1e-12) and cfg.warmup_epochs == pytest.approx(warmup, rel=1e-12)
+    assert cfg.epsilon == epsilon and cfg.epochs == 90 and cfg.weight_decay == 1e-4 and cfg.momentum == 0.9
+    assert (cfg.optimizer, cfg.model, cfg.dataset, cfg.scheduler, cfg.lr_scaling) == (
+        "lars",
+        "resnet50",
+        "imagefolder",
+        "poly",
+        "keep",
+    )
+    assert cfg.bn_bias_separately and cfg.lr_power == 2.0 and cfg.end_lr == 0.0 and cfg.trust_coefficient == 1e-3
+    assert cfg.label_smoothing == 0.1
+    text = path.read_text()
+    processes = int(re.search(r"--nproc_per_node=(\d+)", text).group(1))
+    assert cfg.batch_size * processes * cfg.accum_steps == batch  # the launch its comment gives
+    assert f"Reported validation top-1: {top1}" in text
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lars"])
+@pytest.mark.parametrize("batch", CIFAR10)
+def test_cifar10_recipes_hold_the_published_row(batch, optimizer, tmp_path):
+    path = RECIPES / f"cifar10-resnet50-{optimizer}-b{batch}.toml"
+    table_lr, sgd_top1, lars_top1 = CIFAR10[batch]
+    cfg = _resolve(path, tmp_path)
+    k = batch / 128
+    assert table_lr == pytest.approx(0.05 * k)  # the table follows the linear scaling rule
+    assert cfg.base_lr == pytest.approx(2 * table_lr)  # warmup_multiplier 2: the LR after warmup
+    assert cfg.end_lr == pytest.approx(1e-5 * k) and cfg.lr_power == 2.0 and cfg.scheduler == "poly"
+    assert (cfg.batch_size, cfg.epochs, cfg.warmup_epochs, cfg.momentum) == (batch, 200, 5.0, 0.9)
+    assert (cfg.dataset, cfg.model, cfg.init, cfg.optimizer, cfg.lr_scaling) == (
+        "cifar10",
+        "resnet50",
+        "he",
+        optimizer,
+        "keep",
+    )
+    if optimizer == "lars":
+        assert cfg.weight_decay == 5e-3 and cfg.trust_coefficient == 0.1 and not cfg.bn_bias_separately
+    else:
+        assert cfg.weight_decay == 5e-4
+    assert f"Reported top-1: {sgd_top1 if optimizer == 'sgd' else lars_top1}" in path.read_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SMALL)
+def test_the_recipes_for_data_that_ships_here_train_one_epoch(name, tmp_path, monkeypatch, capsys):
+    if name.startswith("mnist") and not MNIST.is_dir():
+        pytest.skip(f"no MNIST at {MNIST}")
+    monkeypatch.chdir(REPO)  # the MNIST recipes name ../shared/data/mnist-t10k, as typed from the repository
+    path = RECIPES / name
+    cfg = _resolve(path, tmp_path)
+    argv = ["--config", f"recipes/{name}", "--epochs", "1", "-n", "one", "--runs-dir", str(tmp_path), "--no-progress"]
+    if cfg.warmup_epochs > 1:
+        argv += ["--warmup-epochs", "1"]
+    assert run.main(argv) == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert saved["config_file"] == str(path.resolve()) and saved["optimizer"] == cfg.optimizer
+    rows = (tmp_path / "one" / "metrics.csv").read_text().strip().splitlines()
+    val_acc = float(rows[1].split(",")[rows[0].split(",").index("val_acc")])
+    assert len(rows) == 2 and math.isfinite(val_acc) and val_acc > 0.5  # chance is 0.1
