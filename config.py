@@ -1,8 +1,9 @@
 """The command line: flags grouped by trick, the original projects' aliases, and checks of combinations.
 
 `parse(argv)` loads the task the flags name (`--task`), adds its own flags, and returns the validated
-`argparse.Namespace` and the task class; a user mistake raises `UserError` (one sentence). No torch import here:
-`--help` and flag errors answer at once.
+`argparse.Namespace` and the task class; a user mistake raises `UserError` (one sentence). `--config FILE.toml`
+reads flags from a file as if typed before the command line. No torch import here: `--help` and flag errors
+answer at once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import copy
 import difflib
 import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -86,6 +88,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_NUMBERS = (int, float, _positive_int)  # the types whose values a config file must write as TOML numbers
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full command line. Long flags read as English; the original projects' spellings are aliases."""
     p = _Parser(
@@ -97,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("run")
+    g.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="FILE.toml",
+        help="flags from a TOML file, keys named like the long flags (base-lr = 0.1, nesterov = true); flags on "
+        "the command line override it; recipes/ holds published and tuned settings",
+    )
     g.add_argument(
         "--task",
         default=DEFAULT_TASK,
@@ -356,12 +369,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
-    """Parse and check the command line; returns (flags, task class). Raises UserError on any mistake."""
+    """Parse and check the command line; returns (flags, task class). Raises UserError on any mistake.
+
+    With `--config FILE`, the file's flags come first, as if typed before the command line, which overrides them."""
+    global _from_file
+    _from_file = None
     argv = sys.argv[1:] if argv is None else list(argv)
-    task_flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    task_flag.add_argument("--task", default=DEFAULT_TASK)
-    task_spec = task_flag.parse_known_args(argv)[0].task
-    task_class = load_task(task_spec)
+    early = _Parser(add_help=False, allow_abbrev=False)
+    early.add_argument("--task", default=None)
+    early.add_argument("--config", dest="config_file", default=None)
+    first = early.parse_known_args(argv)[0]
+    path = first.config_file
+    table = read_config(path) if path else {}
+    if first.task is None and "task" in table:  # the task adds flags: the file may name it
+        if not isinstance(table["task"], str):
+            raise UserError(f"--config {path}, key 'task': write it as a string, task = \"FILE.py:NAME\"")
+        _from_file = (path, {"--task": "task"})
+    task_spec = first.task or table.get("task") or DEFAULT_TASK
+    try:
+        task_class = load_task(task_spec)
+    except UserError as error:
+        raise blame(error) from None
     parser = build_parser()
     if hasattr(task_class, "add_arguments"):
         task_class.add_arguments(parser)
@@ -371,15 +399,125 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
         parser.builtin_task_flags = {o for a in builtin._actions for o in a.option_strings} - {
             o for a in parser._actions for o in a.option_strings
         }
-    cfg = parser.parse_args(argv)
-    check(cfg, given_flags(parser, argv))
-    cfg.monitor = monitored_metric(task_class, cfg.monitor)
+    file_argv, file_keys = config_argv(table, parser, path) if path else ([], {})
+    cfg = parser.parse_args(file_argv + argv)
+    if path:
+        typed = given_flags(parser, argv)
+        from_file = [action for action in parser._actions if action.dest in file_keys and action.dest not in typed]
+        _from_file = (path, {option: file_keys[a.dest] for a in from_file for option in a.option_strings})
+    try:
+        check(cfg, given_flags(parser, file_argv + argv))
+        cfg.monitor = monitored_metric(task_class, cfg.monitor)
+    except UserError as error:
+        raise blame(error) from None
+    if cfg.config_file is not None:
+        cfg.config_file = str(Path(cfg.config_file).resolve())
     if cfg.name is None:
         cfg.name = time.strftime("%Y%m%d-%H%M%S")
     if cfg.lr_power is None:
         cfg.lr_power = 2.0 if cfg.optimizer == "lars" else 1.0
     cfg.run_dir = str(Path(cfg.runs_dir) / cfg.name)
     return cfg, task_class
+
+
+# The config file of the last parse() and which of its keys set each option the command line did not override:
+# a later error that names such an option (say, from the task's datasets()) names the file and the key too.
+_from_file: tuple[str, dict[str, str]] | None = None
+
+
+def blame(error: UserError) -> UserError:
+    """The error, naming the config file and its key when the first flag it mentions came from the file."""
+    if _from_file is None or str(error).startswith("--config "):
+        return error
+    path, keys = _from_file
+    for option in re.findall(r"--[A-Za-z][\w-]*", str(error)):
+        if option in keys:
+            return UserError(f"--config {path}, key {keys[option]!r}: {error}", error.rank_specific)
+    return error
+
+
+def read_config(path: str) -> dict:
+    """The TOML table of a config file; a missing, unreadable or malformed file is a UserError."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise UserError("--config needs Python 3.11 or newer (its tomllib reads TOML)") from None
+    if not Path(path).is_file():
+        what = "is a folder" if Path(path).is_dir() else "does not exist"
+        raise UserError(f"--config {path} {what}: give a TOML file of flags, like those in recipes/")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"--config {path} is not valid TOML ({error}); a flag is one line: base-lr = 0.1") from None
+    except OSError as error:
+        raise UserError(f"--config {path} cannot be read ({error.strerror}): check its permissions") from None
+
+
+def config_argv(table: dict, parser: argparse.ArgumentParser, path: str) -> tuple[list[str], dict[str, str]]:
+    """A config file's table as command-line tokens, checked one key at a time, and which key set each destination.
+
+    A key is a long flag without its dashes (`base-lr` or `base_lr`); `true` gives an on/off flag, `false` leaves it
+    off; a list gives a flag that takes several values. Numbers must be TOML numbers, not strings."""
+    options = {option: action for action in parser._actions for option in action.option_strings}
+    tokens: list[str] = []
+    keys: dict[str, str] = {}
+    for key, value in table.items():
+        where = f"--config {path}, key {key!r}"
+        if isinstance(value, dict):
+            raise UserError(f"{where} is a table: write every flag as a top-level `key = value`, not under [sections]")
+        action = options.get(f"--{key}") or options.get(f"--{key.replace('_', '-')}")
+        if action is not None and action.dest in ("help", "config_file"):
+            raise UserError(f"{where}: a config file holds settings, not {_flag(parser, action.dest)}: remove it")
+        if action is None:
+            names = [o[2:] for o, a in options.items() if o.startswith("--") and "_" not in o and a.dest != "help"]
+            close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "keys are the long flags of `python run.py --help`"
+            raise UserError(f"--config {path}: unknown key {key!r} (no flag --{key}); {hint}")
+        flag = _flag(parser, action.dest)
+        if action.dest in keys:
+            raise UserError(f"--config {path}: keys {keys[action.dest]!r} and {key!r} both set {flag}: keep one")
+        keys[action.dest] = key
+        tokens += _tokens(action, flag, key, value, where)
+    return tokens, keys
+
+
+def _tokens(action: argparse.Action, flag: str, key: str, value, where: str) -> list[str]:
+    if action.nargs == 0:  # an on/off flag
+        if not isinstance(value, bool):
+            raise UserError(f"{where}: {flag} is an on/off flag: write {key} = true or {key} = false, not {value!r}")
+        return [flag] if value else []
+    several = action.nargs in ("*", "+") or (isinstance(action.nargs, int) and action.nargs > 1)
+    if isinstance(value, list) and not several and not isinstance(action, argparse._AppendAction):
+        raise UserError(f"{where}: {flag} takes one value, not a list")
+    texts = [_text(action, flag, item, where) for item in (value if isinstance(value, list) else [value])]
+    if several:
+        return [flag, *texts]
+    return [f"{flag}={text}" for text in texts]  # `=`: a value that starts with '-' stays a value
+
+
+def _text(action: argparse.Action, flag: str, value, where: str) -> str:
+    """One value as the command line would spell it, after the conversion and choices of its flag."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UserError(
+            f"{where}: {flag} takes a value, not {str(value).lower() if isinstance(value, bool) else value}"
+        )
+    if isinstance(value, str) and action.type in _NUMBERS:
+        raise UserError(f"{where}: {flag} takes a number, not the string {value!r}: write it without quotes")
+    text = str(value)
+    convert = action.type if callable(action.type) else str
+    try:
+        converted = convert(text)
+    except argparse.ArgumentTypeError as error:
+        raise UserError(f"{where}: {flag} {error}") from None
+    except (TypeError, ValueError):
+        raise UserError(
+            f"{where}: {flag} takes {getattr(convert, '__name__', 'another')} values, not {text!r}"
+        ) from None
+    if action.choices is not None and converted not in action.choices:
+        choices = ", ".join(str(choice) for choice in action.choices)
+        raise UserError(f"{where}: {flag} is one of {choices}, not {converted!r}")
+    return text
 
 
 def answer_early(argv: list[str]) -> None:

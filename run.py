@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                           Path(args.run_dir) / "train.log")  # fmt: skip
         return NONFINITE
     except config.UserError as error:
+        error = config.blame(error)  # a value from --config FILE: the message names the file and the key
         if launch.rank == 0 or error.rank_specific:  # the same check fails on every rank: say it once
             config.report(str(error) if launch.rank == 0 else f"on rank {launch.rank}: {error}")
         return 2

@@ -3,9 +3,13 @@ resumable (finished cells are skipped), with results.md (the original LARS proje
 accuracy_vs_batch.png and every cell's curves on one figure.
 
     python tools/sweep.py --batch-sizes 32 256 --optimizers sgd lars --epochs 1 --out DIR [-- run.py flags]
+    python tools/sweep.py --config recipes/mnist-lars.toml --batch-sizes 64 512 --optimizers lars --out DIR
 
 Each optimizer has its LR at --ref-batch-size (--base-lr sgd=0.05 lars=2.0) and its scaling rule with the
 global batch (--lr-scaling sgd=linear lars=sqrt). Cells: DIR/cells/<optimizer>-b<batch>/ (run folders).
+`--config FILE.toml` gives every cell run.py's flags from a file; the sweep's own flags for each cell (optimizer,
+batch, LR, scaling, epochs, warmup) and those after `--` override it. Every cell's flags are checked before the
+first cell starts.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import config  # noqa: E402
 import plots  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,22 +69,28 @@ def cell_finished(run_dir: Path, epochs: int) -> bool:
         return len(list(csv.DictReader(f))) >= epochs or (run_dir / "curves.png").exists()
 
 
+def cell_flags(args, optimizer: str, batch: int, lr: str, scaling: str, extra: list[str]) -> list[str]:
+    """run.py's flags for one cell."""
+    # run.py refuses --base-batch-size where `keep` would ignore it
+    reference = [] if scaling == "keep" else ["--base-batch-size", str(args.ref_batch_size)]
+    from_file = ["--config", str(Path(args.config).resolve())] if args.config else []
+    return [
+        *from_file, "--optimizer", optimizer, "--batch-size", str(batch // args.nproc), "--base-lr", lr,
+        "--lr-scaling", scaling, *reference, "--epochs", str(args.epochs), "--warmup-epochs", str(args.warmup_epochs),
+        "-n", f"{optimizer}-b{batch}", "--runs-dir", str(Path(args.out) / "cells"), "--no-progress",
+        "--resume", "auto", *OPTIMIZER_FLAGS.get(optimizer, []), *extra,
+    ]  # fmt: skip
+
+
 def run_cell(args, optimizer: str, batch: int, lr: str, scaling: str, extra: list[str]) -> Path:
-    cells = Path(args.out) / "cells"
     name = f"{optimizer}-b{batch}"
-    run_dir = cells / name
+    run_dir = Path(args.out) / "cells" / name
     if cell_finished(run_dir, args.epochs):
         print(f"{name}: finished before, skipped")
         return run_dir
-    per_rank = batch // args.nproc
-    # run.py refuses --base-batch-size where `keep` would ignore it
-    reference = [] if scaling == "keep" else ["--base-batch-size", str(args.ref_batch_size)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        str(REPO / "run.py"), "--optimizer", optimizer, "--batch-size", str(per_rank), "--base-lr", lr,
-        "--lr-scaling", scaling, *reference, "--epochs", str(args.epochs),
-        "--warmup-epochs", str(args.warmup_epochs), "-n", name, "--runs-dir", str(cells), "--no-progress",
-        "--resume", "auto", *OPTIMIZER_FLAGS.get(optimizer, []), *extra,
+        str(REPO / "run.py"), *cell_flags(args, optimizer, batch, lr, scaling, extra),
     ]  # fmt: skip
     print(f"{name}: {' '.join(cmd[3:])}", flush=True)
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-scaling", nargs="*", default=[], metavar="OPT=RULE", help="e.g. sgd=linear lars=sqrt")
     parser.add_argument("--nproc", type=int, default=2, help="processes per cell")
     parser.add_argument("--out", required=True, help="the sweep folder")
+    parser.add_argument("--config", default=None, metavar="FILE.toml", help="run.py flags for every cell")
     args = parser.parse_args(argv)
     if args.warmup_epochs is None:
         args.warmup_epochs = default_warmup(args.epochs)
@@ -159,16 +171,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: batch sizes {bad} do not divide by --nproc {args.nproc}", file=sys.stderr)
         return 2
     lrs, scalings = pairs(args.base_lr, DEFAULT_LR), pairs(args.lr_scaling, DEFAULT_SCALING)
+    cells = [(optimizer, batch) for optimizer in args.optimizers for batch in sorted(args.batch_sizes)]
+    for optimizer, batch in cells:  # a mistake in any cell's flags, before the first cell starts and writes
+        try:
+            config.parse(cell_flags(args, optimizer, batch, lrs[optimizer], scalings[optimizer], extra))
+        except config.UserError as error:
+            print(f"error: cell {optimizer}-b{batch}: {error}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     results: dict[str, list[dict]] = {}
     run_dirs = []
-    for optimizer in args.optimizers:
-        for batch in sorted(args.batch_sizes):
-            run_dir = run_cell(args, optimizer, batch, lrs[optimizer], scalings[optimizer], extra)
-            run_dirs.append(run_dir)
-            results.setdefault(optimizer, []).append(summarise(run_dir))
+    for optimizer, batch in cells:
+        run_dir = run_cell(args, optimizer, batch, lrs[optimizer], scalings[optimizer], extra)
+        run_dirs.append(run_dir)
+        results.setdefault(optimizer, []).append(summarise(run_dir))
     command = "python tools/sweep.py " + " ".join(argv + (["--", *extra] if extra else []))
     write_results(out, results, command)
     plots.accuracy_vs_batch(results, out / "accuracy_vs_batch.png")

@@ -1,0 +1,326 @@
+"""`--config FILE.toml` (flags from a file, the command line overrides them), its bad-input catalogue, the sweep's
+config file, and recipes/: every recipe resolves, the published ones hold the published numbers, and the ones for
+the data that ships here train."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from multiproc import REPO
+
+import config
+import run
+
+RECIPES = REPO / "recipes"
+MNIST = REPO.parent / "shared" / "data" / "mnist-t10k"
+
+
+def _write(tmp_path, text: str, name: str = "flags.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_file_values_act_as_typed_and_the_command_line_overrides_them(tmp_path):
+    text = 'base_lr = 0.2\nepochs = 4\noptimizer = "lars"\nbn-bias-separately = true\nnesterov = false\n'
+    path = _write(tmp_path, text + "warmup-epochs = 0.5\n")
+    cfg, _ = config.parse(["--config", str(path), "--epochs", "2"])
+    assert (cfg.base_lr, cfg.epochs, cfg.optimizer, cfg.warmup_epochs) == (0.2, 2, "lars", 0.5)
+    assert cfg.bn_bias_separately is True and cfg.nesterov is False
+    assert cfg.lr_power == 2.0  # derived from the file's optimizer, as from a typed one
+    assert cfg.config_file == str(path.resolve())
+
+
+def test_a_false_on_off_key_is_not_a_given_flag(tmp_path):
+    # --nesterov with adam is refused as ignored; `nesterov = false` gives no flag, so nothing is ignored
+    cfg, _ = config.parse(["--config", str(_write(tmp_path, 'optimizer = "adam"\nnesterov = false\n'))])
+    assert cfg.optimizer == "adam" and cfg.nesterov is False
+
+
+def test_a_file_can_name_the_task_and_set_its_flags(tmp_path):
+    path = _write(tmp_path, 'task = "examples/regression.py:Diabetes"\nhidden = 16\n')
+    cfg, task_class = config.parse(["--config", str(path)])
+    assert task_class.__name__ == "Diabetes" and cfg.hidden == 16 and cfg.monitor == "val_mae"
+
+
+TASK_WITH_A_LIST = """
+class Listy:
+    @staticmethod
+    def add_arguments(parser):
+        parser.add_argument("--layers", type=int, nargs="+", default=[8])
+
+    def datasets(self): ...
+    def model(self): ...
+    def loss(self, outputs, targets): ...
+"""
+
+
+def test_a_list_sets_a_flag_that_takes_several_values(tmp_path):
+    (tmp_path / "listy.py").write_text(TASK_WITH_A_LIST)
+    path = _write(tmp_path, f'task = "{tmp_path / "listy.py"}:Listy"\nlayers = [64, 32]\n')
+    cfg, _ = config.parse(["--config", str(path)])
+    assert cfg.layers == [64, 32]
+
+
+def test_config_json_holds_the_file_path_and_the_resolved_flags(tmp_path):
+    path = _write(tmp_path, 'optimizer = "lamb"\nbase-lr = 0.02\nscheduler = "cosine"\nwarmup-epochs = 1\n')
+    argv = ["--config", str(path), "--base-lr", "0.01", "-n", "r", "--runs-dir", str(tmp_path / "runs"), "--plot-lr"]
+    assert run.main(argv) == 0
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
+    assert saved["config_file"] == str(path.resolve())
+    assert (saved["optimizer"], saved["base_lr"], saved["scheduler"], saved["warmup_epochs"]) == (
+        "lamb",
+        0.01,
+        "cosine",
+        1.0,
+    )
+
+
+# file text -> the message after `error: --config FILE` (FILE stands for the file's path)
+BAD_FILES = {
+    "not TOML": ("epochs = \n", " is not valid TOML (Invalid value (at line 1, column 10))"),
+    "not text": (b"\xff\xfe\x00binary", " is not valid TOML ("),
+    "unknown key": ("bas-lr = 0.1\n", ": unknown key 'bas-lr' (no flag --bas-lr); did you mean 'base-lr'?"),
+    "unknown key, no match": ("zzz = 1\n", ": unknown key 'zzz' (no flag --zzz); keys are the long flags of"),
+    "a number in quotes": (
+        'epochs = "10"\n',
+        ", key 'epochs': --epochs takes a number, not the string '10': write it without quotes",
+    ),
+    "a word for a number": ('base_lr = "fast"\n', ", key 'base_lr': --base-lr takes a number, not the string 'fast'"),
+    "a fraction for an integer": ("epochs = 1.5\n", ", key 'epochs': --epochs must be a positive integer, got '1.5'"),
+    "zero epochs": ("epochs = 0\n", ", key 'epochs': --epochs must be a positive integer, got '0'"),
+    "true for a value": ("epochs = true\n", ", key 'epochs': --epochs takes a value, not true"),
+    "a date for a value": ("epochs = 2024-01-01\n", ", key 'epochs': --epochs takes a value, not 2024-01-01"),
+    "a number for an on/off flag": (
+        "nesterov = 1\n",
+        ", key 'nesterov': --nesterov is an on/off flag: write nesterov = true or nesterov = false, not 1",
+    ),
+    "an unknown choice": (
+        'optimizer = "rmsprop"\n',
+        ", key 'optimizer': --optimizer is one of sgd, adam, adamw, lars, lamb, not 'rmsprop'",
+    ),
+    "a list for one value": ("base-lr = [0.1, 0.2]\n", ", key 'base-lr': --base-lr takes one value, not a list"),
+    "a section": ("[optimizer]\nname = 1\n", ", key 'optimizer' is a table: write every flag as a top-level"),
+    "two spellings of one flag": (
+        "lr = 0.1\nbase-lr = 0.2\n",
+        ": keys 'lr' and 'base-lr' both set --base-lr: keep one",
+    ),
+    "a value the checks refuse": ("base-lr = -1\n", ", key 'base-lr': --base-lr must be > 0, got -1.0"),
+    "a flag that would be ignored": (
+        "lookahead-k = 3\n",
+        ", key 'lookahead-k': --lookahead-k acts only with --lookahead, so it would be ignored: add --lookahead",
+    ),
+    "a value the task refuses": (
+        "label-smoothing = 1.0\n",
+        ", key 'label-smoothing': --label-smoothing must be in [0, 1), got 1.0",
+    ),
+    "an unknown model": ('model = "resnet9000"\n', ", key 'model': --model 'resnet9000' is unknown"),
+    "a config file in a config file": ('config = "other.toml"\n', ", key 'config': a config file holds settings"),
+    "help in a config file": ("help = true\n", ", key 'help': a config file holds settings, not --help: remove it"),
+    "a task that is not a string": ("task = 3\n", ", key 'task': write it as a string, task = \"FILE.py:NAME\""),
+    "a task file that does not exist": ('task = "nope.py"\n', ", key 'task': --task 'nope.py': no Python file"),
+}
+
+
+@pytest.mark.parametrize("text, message", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_a_bad_config_file_is_one_line_naming_file_and_key(text, message, tmp_path, capsys):
+    path = tmp_path / "flags.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    runs = tmp_path / "runs"
+    assert run.main(["--config", str(path), "--runs-dir", str(runs), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --config {path}{message}"), err
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize("make, message", [(lambda p: p, "does not exist"), (lambda p: p.mkdir(), "is a folder")])
+def test_a_missing_config_file_or_a_folder_is_one_line(make, message, tmp_path, capsys):
+    path = tmp_path / "flags.toml"
+    make(path)
+    assert run.main(["--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --config {path} {message}: give a TOML file of flags, like those in recipes/"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_typed_mistake_is_not_blamed_on_the_file(tmp_path, capsys):
+    path = _write(tmp_path, "epochs = 3\nbase-lr = 0.1\n")
+    assert run.main(["--config", str(path), "--base-lr", "-1", "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --base-lr must be > 0, got -1.0"]
+
+
+def test_the_command_line_can_replace_a_value_the_checks_would_refuse(tmp_path):
+    cfg, _ = config.parse(["--config", str(_write(tmp_path, "base-lr = -1\n")), "--base-lr", "0.1"])
+    assert cfg.base_lr == 0.1
+
+
+def test_a_bad_file_answers_before_torch_is_imported(tmp_path):
+    path = _write(tmp_path, "bas-lr = 0.1\n")
+    result = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "run.py"), "--config", str(path)],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert result.returncode == 2 and "torch" not in imported
+    assert lines == [f"error: --config {path}: unknown key 'bas-lr' (no flag --bas-lr); did you mean 'base-lr'?"]
+    assert not (tmp_path / "runs").exists()
+
+
+def _sweep():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep", REPO / "tools" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sweep_gives_its_config_file_to_every_cell(tmp_path, monkeypatch):
+    sweep = _sweep()
+    commands = []
+    monkeypatch.setattr(sweep, "summarise", lambda run_dir: {})
+    monkeypatch.setattr(sweep, "write_results", lambda *a: None)
+    monkeypatch.setattr(sweep.plots, "accuracy_vs_batch", lambda *a: None)
+    monkeypatch.setattr(sweep.plots, "overlay", lambda *a: None)
+    monkeypatch.setattr(
+        sweep.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0)
+    )
+    _write(tmp_path, 'momentum = 0.8\nscheduler = "cosine"\nbase-lr = 9.0\n')
+    monkeypatch.chdir(tmp_path)  # a path relative to where the sweep is started
+    argv = ["--config", "flags.toml", "--batch-sizes", "64", "128", "--optimizers", "sgd", "--out", "out"]
+    assert sweep.main(argv) == 0
+    assert len(commands) == 2
+    for cmd in commands:
+        flags = cmd[cmd.index(str(REPO / "run.py")) + 1 :]
+        assert flags[:2] == ["--config", str(tmp_path / "flags.toml")]
+        cfg, _ = config.parse(flags)
+        assert (cfg.momentum, cfg.scheduler) == (0.8, "cosine")  # from the file
+        assert cfg.base_lr == 0.05  # the sweep's own LR for the cell wins over the file's
+
+
+def test_the_sweep_refuses_a_bad_config_file_before_any_cell(tmp_path, monkeypatch, capsys):
+    sweep = _sweep()
+    monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **kw: pytest.fail("a cell was started"))
+    path = _write(tmp_path, "lookahead-k = 3\n")
+    argv = ["--config", str(path), "--batch-sizes", "64", "--optimizers", "sgd", "--out", str(tmp_path / "out")]
+    assert sweep.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: cell sgd-b64: --config {path}, key 'lookahead-k': --lookahead-k acts only with --lookahead, so it "
+        "would be ignored: add --lookahead or drop --lookahead-k"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+# --- recipes ---------------------------------------------------------------------------------------------------
+
+# NUS-HPC-AI-Lab/LARS-ImageNet-PyTorch README, "Performance on ImageNet":
+# effective batch -> (base LR, warmup epochs, epsilon, reported top-1)
+IMAGENET = {
+    512: (2**2, 10 / 2**6, 1e-5, "77.02 %"),
+    1024: (2**2.5, 10 / 2**5, 1e-5, "76.96 %"),
+    4096: (2**3.5, 10 / 2**3, 1e-5, "77.38 %"),
+    8192: (2**4, 10 / 2**2, 1e-5, "77.14 %"),
+    16384: (2**4.5, 5, 1e-5, "76.96 %"),
+    32768: (2**5, 14, 0.0, "76.75 %"),
+}
+# cmpark0126/pytorch-LARS README, "Attempt 3" (He init): batch -> (base LR, SGD top-1, LARS top-1)
+CIFAR10 = {
+    128: (0.05, "89.76 %", "90.11 %"),
+    256: (0.1, "90.08 %", "90.12 %"),
+    512: (0.2, "89.34 %", "90.11 %"),
+    1024: (0.4, "88.82 %", "90.02 %"),
+    2048: (0.8, "89.29 %", "90.02 %"),
+    4096: (1.6, "85.02 %", "88.38 %"),
+    8192: (3.2, "77.72 %", "86.40 %"),
+}
+SMALL = [f"{data}-{optimizer}.toml" for data in ("digits", "mnist") for optimizer in ("sgd", "lars", "lamb")]
+
+
+def _resolve(path: Path, tmp_path: Path):
+    """Flags and task of a recipe, with existing folders for the paths a user must give."""
+    folders = ["--train-dir", str(tmp_path), "--val-dir", str(tmp_path)] if "imagenet" in path.name else []
+    cfg, task_class = config.parse(["--config", str(path), *folders, "--runs-dir", str(tmp_path / "runs")])
+    task_class(cfg)  # the task's own checks (model name, image folders named, label smoothing)
+    return cfg
+
+
+def test_recipes_holds_every_row_of_both_tables_and_our_own():
+    expected = {f"imagenet-resnet50-lars-b{b}.toml" for b in IMAGENET}
+    expected |= {f"cifar10-resnet50-{o}-b{b}.toml" for b in CIFAR10 for o in ("sgd", "lars")}
+    assert {p.name for p in RECIPES.glob("*.toml")} == expected | set(SMALL)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.toml")))
+def test_every_recipe_resolves_to_a_valid_configuration(name, tmp_path):
+    cfg = _resolve(RECIPES / name, tmp_path)
+    assert cfg.config_file == str((RECIPES / name).resolve()) and cfg.task == "task.py:Task"
+
+
+@pytest.mark.parametrize("batch", IMAGENET)
+def test_imagenet_recipes_hold_the_published_row(batch, tmp_path):
+    path = RECIPES / f"imagenet-resnet50-lars-b{batch}.toml"
+    lr, warmup, epsilon, top1 = IMAGENET[batch]
+    cfg = _resolve(path, tmp_path)
+    assert cfg.base_lr == pytest.approx(lr, rel=1e-12) and cfg.warmup_epochs == pytest.approx(warmup, rel=1e-12)
+    assert cfg.epsilon == epsilon and cfg.epochs == 90 and cfg.weight_decay == 1e-4 and cfg.momentum == 0.9
+    assert (cfg.optimizer, cfg.model, cfg.dataset, cfg.scheduler, cfg.lr_scaling) == (
+        "lars",
+        "resnet50",
+        "imagefolder",
+        "poly",
+        "keep",
+    )
+    assert cfg.bn_bias_separately and cfg.lr_power == 2.0 and cfg.end_lr == 0.0 and cfg.trust_coefficient == 1e-3
+    assert cfg.label_smoothing == 0.1
+    text = path.read_text()
+    processes = int(re.search(r"--nproc_per_node=(\d+)", text).group(1))
+    assert cfg.batch_size * processes * cfg.accum_steps == batch  # the launch its comment gives
+    assert f"Reported validation top-1: {top1}" in text
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lars"])
+@pytest.mark.parametrize("batch", CIFAR10)
+def test_cifar10_recipes_hold_the_published_row(batch, optimizer, tmp_path):
+    path = RECIPES / f"cifar10-resnet50-{optimizer}-b{batch}.toml"
+    table_lr, sgd_top1, lars_top1 = CIFAR10[batch]
+    cfg = _resolve(path, tmp_path)
+    k = batch / 128
+    assert table_lr == pytest.approx(0.05 * k)  # the table follows the linear scaling rule
+    assert cfg.base_lr == pytest.approx(2 * table_lr)  # warmup_multiplier 2: the LR after warmup
+    assert cfg.end_lr == pytest.approx(1e-5 * k) and cfg.lr_power == 2.0 and cfg.scheduler == "poly"
+    assert (cfg.batch_size, cfg.epochs, cfg.warmup_epochs, cfg.momentum) == (batch, 200, 5.0, 0.9)
+    assert (cfg.dataset, cfg.model, cfg.init, cfg.optimizer, cfg.lr_scaling) == (
+        "cifar10",
+        "resnet50",
+        "he",
+        optimizer,
+        "keep",
+    )
+    if optimizer == "lars":
+        assert cfg.weight_decay == 5e-3 and cfg.trust_coefficient == 0.1 and not cfg.bn_bias_separately
+    else:
+        assert cfg.weight_decay == 5e-4
+    assert f"Reported top-1: {sgd_top1 if optimizer == 'sgd' else lars_top1}" in path.read_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SMALL)
+def test_the_recipes_for_data_that_ships_here_train_one_epoch(name, tmp_path, monkeypatch, capsys):
+    if name.startswith("mnist") and not MNIST.is_dir():
+        pytest.skip(f"no MNIST at {MNIST}")
+    monkeypatch.chdir(REPO)  # the MNIST recipes name ../shared/data/mnist-t10k, as typed from the repository
+    path = RECIPES / name
+    cfg = _resolve(path, tmp_path)
+    argv = ["--config", f"recipes/{name}", "--epochs", "1", "-n", "one", "--runs-dir", str(tmp_path), "--no-progress"]
+    if cfg.warmup_epochs > 1:
+        argv += ["--warmup-epochs", "1"]
+    assert run.main(argv) == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert saved["config_file"] == str(path.resolve()) and saved["optimizer"] == cfg.optimizer
+    rows = (tmp_path / "one" / "metrics.csv").read_text().strip().splitlines()
+    val_acc = float(rows[1].split(",")[rows[0].split(",").index("val_acc")])
+    assert len(rows) == 2 and math.isfinite(val_acc) and val_acc > 0.5  # chance is 0.1
