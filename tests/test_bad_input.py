@@ -107,6 +107,17 @@ def test_empty_image_folder(tmp_path, capsys):
     )
 
 
+def test_image_folder_with_one_class_is_refused(tmp_path, capsys):
+    for split in ("t", "v"):
+        (tmp_path / split / "cats").mkdir(parents=True)
+        (tmp_path / split / "cats" / "a.png").write_bytes(b"")  # listed by extension, never opened
+    _fails(
+        ["--dataset", "imagefolder", "--train-dir", str(tmp_path / "t"), "--val-dir", str(tmp_path / "v")],
+        "has 1 class folder: a classifier needs at least two",
+        capsys,
+    )
+
+
 def test_run_folder_not_writable(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -134,20 +134,29 @@ def _plateau_and_early_stop(values, mode, plateau_patience, stop_patience, facto
     return lrs, None
 
 
+PLATEAU = {  # settings under which each example overfits or stalls within 30 epochs
+    "multilabel": (["-l", "0.5", "-b", "64"], "val_f1", "max", 0.5),
+    "regression": (["-b", "16"], "val_mae", "min", 0.003),
+}
+
+
 @pytest.mark.timeout(300)
-def test_plateau_and_early_stopping_follow_a_higher_is_better_monitored_metric(tmp_path):
-    result = python_run([*EXAMPLES["multilabel"], "-e", "30", "-l", "0.5", "-b", "64", "--scheduler", "plateau",
-                         "--plateau-patience", "1", "--plateau-factor", "0.5", "--early-stop-patience", "4",
-                         "--no-progress", "-n", "ml", "--runs-dir", str(tmp_path)])  # fmt: skip
+@pytest.mark.parametrize("example", list(PLATEAU))
+def test_plateau_and_early_stopping_follow_the_task_s_monitored_metric(example, tmp_path):
+    flags, monitored, mode, lr = PLATEAU[example]
+    result = python_run([*EXAMPLES[example], *flags, "-e", "30", "--scheduler", "plateau", "--plateau-patience", "1",
+                         "--plateau-factor", "0.5", "--early-stop-patience", "4", "--no-progress", "-n", "p",
+                         "--runs-dir", str(tmp_path)])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    got = rows(tmp_path / "ml")
-    f1 = [float(r["val_f1"]) for r in got]
-    lrs, stop_epoch = _plateau_and_early_stop(f1, "max", plateau_patience=1, stop_patience=4, factor=0.5, lr=0.5)
-    assert stop_epoch is not None and len(got) == stop_epoch < 30  # stopped early, on f1's own terms
+    got = rows(tmp_path / "p")
+    values = [float(r[monitored]) for r in got]
+    lrs, stop_epoch = _plateau_and_early_stop(values, mode, plateau_patience=1, stop_patience=4, factor=0.5, lr=lr)
+    assert stop_epoch is not None and len(got) == stop_epoch < 30  # stopped early, on the metric's own terms
     assert [float(r["lr"]) for r in got] == pytest.approx(lrs)
-    assert any(lr < 0.5 for lr in lrs)  # a cut happened
-    assert torch.load(tmp_path / "ml" / "best.pt", weights_only=True)["best"]["value"] == pytest.approx(max(f1))
-    assert "best val_f1" in result.stdout.strip().splitlines()[-1]
+    assert any(value < lr for value in lrs)  # a cut happened
+    best = max(values) if mode == "max" else min(values)
+    assert torch.load(tmp_path / "p" / "best.pt", weights_only=True)["best"]["value"] == pytest.approx(best)
+    assert f"best {monitored}" in result.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.timeout(300)
