@@ -135,7 +135,7 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
     preemption = distributed.Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(distributed.gather_objects(os.getpid()))
     log.info("%s on %d process(es), device %s: %s, learning rate %.6g (--lr-scaling %s), %d steps/epoch",
-             type(task).__name__, dist.world_size, dist.device, plan.describe(), plan.lr, args.lr_scaling,
+             args.task, dist.world_size, dist.device, plan.describe(), plan.lr, args.lr_scaling,
              plan.steps_per_epoch)  # fmt: skip
 
     if args.plot_lr:
@@ -191,7 +191,8 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
         t.schedule.epoch_end(monitored)
         improved = monitored < best["value"] if mode == "min" else monitored > best["value"]
         if improved:
-            best = {"metric": args.monitor, "value": monitored, "epoch": epoch}
+            best = {"metric": args.monitor, "value": monitored, "epoch": epoch,
+                    "val": {k: v for k, v in row.items() if k.startswith("val_")}}  # fmt: skip
         if early_stopping is not None:
             early_stopping(monitored)
         stop = early_stopping is not None and early_stopping.early_stop
@@ -207,7 +208,9 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
 
     if dist.is_main:
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
-    log.info("best %s %.4f at epoch %d; run folder: %s", best["metric"], best["value"], best["epoch"], folder.path)
+    others = ", ".join(f"{k} {v:.4f}" for k, v in best.get("val", {}).items() if k != best["metric"])
+    log.info("best %s %.4f at epoch %d (%s); run folder: %s", best["metric"], best["value"], best["epoch"], others,
+             folder.path)  # fmt: skip
     return 0
 
 
