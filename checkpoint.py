@@ -116,9 +116,10 @@ def restore_model(model: torch.nn.Module, state: dict, source: str) -> None:
         ) from None
 
 
-def restore(state: dict, t, early_stopping, rank: int, world_size: int, source: str) -> tuple[int, int, Any, dict]:
+def restore(state: dict, t, early_stopping, rank: int, world_size: int, source: str, best: dict) -> tuple:
     """Put the optimizer, schedule, scaler, AdaScale and counters back. Returns where to continue: the epoch,
-    the steps already taken in it, this rank's running sums of it, and the best monitored value so far.
+    the steps already taken in it, this rank's running sums of it, and the best monitored value so far (`best`,
+    this run's fresh one, where the checkpoint followed another metric or predates the monitored-metric format).
     Mid-epoch, the caller puts `state["rng"][rank]` back once the epoch's own seeding is done."""
     saved, ours = state.get("optimizer_name"), describe_optimizer(t.optimizer)
     if saved != ours:
@@ -135,7 +136,8 @@ def restore(state: dict, t, early_stopping, rank: int, world_size: int, source: 
             f"({str(error).splitlines()[0][:80]}); resume with the flags it was trained with"
         ) from None
     t.precision.load_state_dict(state.get("scaler"))
-    if early_stopping is not None and state.get("early_stopping"):
+    same_metric = state.get("best", {}).get("metric") == best["metric"]
+    if early_stopping is not None and state.get("early_stopping") and same_metric:
         early_stopping.load_state_dict(state["early_stopping"])
     if t.adascale is not None and state.get("adascale"):
         t.adascale.load_state_dict(state["adascale"])
@@ -148,7 +150,7 @@ def restore(state: dict, t, early_stopping, rank: int, world_size: int, source: 
             f"resume it with that many (this run has {world_size})"
         )
     sums = state["epoch_sums"][rank] if step_in_epoch else None
-    return state["epoch"] + 1, step_in_epoch, sums, state["best"]
+    return state["epoch"] + 1, step_in_epoch, sums, state["best"] if same_metric else best
 
 
 def rng_state() -> dict:

@@ -19,6 +19,15 @@ def same_seeds(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def use_deterministic_algorithms() -> None:
+    """torch.use_deterministic_algorithms(True), with what CUDA needs for it (a cuBLAS workspace, no autotuning)."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def seed_worker(worker_id: int) -> None:
     """DataLoader worker_init_fn: seed python and numpy from the seed torch gave this worker.
 

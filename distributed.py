@@ -174,6 +174,13 @@ def gather_objects(value) -> list:
     return values
 
 
+def require_same(value, what: str) -> None:
+    """A UserError on every rank together when the ranks disagree about `value` (a small, picklable one)."""
+    values = gather_objects(value)
+    if any(v != values[0] for v in values):
+        raise UserError(f"the ranks disagree about {what}: {values}")
+
+
 class Preemption:
     """SIGTERM (what SLURM and Kubernetes send, and torchrun forwards) asks every rank to stop together.
 

@@ -48,7 +48,9 @@ class Training:
 
     @property
     def raw_model(self) -> nn.Module:
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        """The model without torch.compile's and DDP's wrappers: what checkpoints hold and evaluation runs."""
+        model = getattr(self.model, "_orig_mod", self.model)
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     @property
     def adascale(self):
@@ -84,6 +86,17 @@ class Training:
         return report(self.task, self.sum_names, prefix, sums.tolist(), count)
 
 
+def progress_bar(enabled: bool, total: int, description: str):
+    """A tqdm bar on stderr (rank 0, unless --no-progress), or None."""
+    if not enabled:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
 def report(task, sum_names: list[str], prefix: str, values: list[float], count: float) -> dict[str, float]:
     count = max(count, 1.0)  # an epoch with no step left (resumed at its very end) has no samples
     sums = dict(zip(sum_names, values[1:]))
@@ -112,6 +125,12 @@ def check_task(task, model: nn.Module, dataset) -> list[str]:
         model.train(training)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise UserError("the task's loss() must return the batch mean as a scalar tensor, e.g. F.mse_loss(...)")
+    shaped = [k for k, v in sums.items() if not isinstance(v, torch.Tensor) or v.dim() != 0]
+    if shaped:
+        raise UserError(f"the task's metric_sums() must give scalar tensors (batch sums); {shaped[0]!r} is not")
+    modes = getattr(task, "better", {})
+    if any(mode not in ("min", "max") for mode in modes.values()):
+        raise UserError(f"the task's `better` must map each metric to 'min' or 'max', got {modes}")
     values = [float(loss) * len(targets), *(float(v) for v in sums.values())]
     try:  # the names metrics() reports, from these samples' sums (a degenerate sample may not compute: no check)
         reported = set(report(task, list(sums), "", values, float(len(targets)))) - {"_loss"}
@@ -227,9 +246,7 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
     if not took_step:
         t.skipped_steps += 1
         return
-    if t.adascale is not None:  # scale-invariant progress: the schedule advances by r
-        t.schedule.per_step.last_epoch += progress - 1
-    t.schedule.step()
+    t.schedule.step(progress if t.adascale is not None else 1.0)  # AdaScale: scale-invariant progress, by r
 
 
 def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:

@@ -37,7 +37,7 @@ import plan as planning  # noqa: E402
 import plots  # noqa: E402
 import run_folder  # noqa: E402
 import schedulers  # noqa: E402
-from customized_function import EarlyStopping, same_seeds  # noqa: E402
+from customized_function import EarlyStopping, same_seeds, use_deterministic_algorithms  # noqa: E402
 from precision import Precision  # noqa: E402
 
 log = logging.getLogger("ddp_tricks")
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         args, task_class = config.parse(argv)
         launch = distributed.detect(args.local_rank)
         task = task_class(args)
+        same_seeds(args.seed)  # the same data split and initial weights on every rank and at every world size
         train_set, val_set = task.datasets()
         data.check_sizes(len(train_set), len(val_set), launch.world_size)
-        same_seeds(args.seed)  # the same initial weights on every rank and at every world size
         model = task.model()
         sum_names = engine.check_task(task, model, train_set)  # also initialises lazy modules
         trace = batch_trace.load_trace(args.batch_trace) if args.batch_trace else None
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         state = checkpoint.load(resume_from) if resume_from else None
         if state is not None:
             checkpoint.restore_model(model, state, str(resume_from))
-        run_folder.check(Path(args.run_dir), resume=args.resume is not None, overwrite=args.overwrite)
+        continues = args.resume is not None or args.eval_only or args.plot_lr  # these two add, never replace
+        run_folder.check(Path(args.run_dir), resume=continues, overwrite=args.overwrite)
         dist = distributed.setup(launch, args.device, args.backend, args.dist_timeout)
         return train(args, task, model, sum_names, plan, dist, (train_set, val_set), state)
     except engine.NonFiniteLoss as error:  # raised on every rank together
@@ -91,9 +92,7 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
     """Build the training objects, then epochs of train -> evaluate -> decide -> checkpoint -> log."""
     train_set, val_set = datasets
     if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        use_deterministic_algorithms()
     model = model.to(dist.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
     optimizer = optimizers.build(  # DDP and SyncBN keep these Parameter objects
         model, args.optimizer, lr=plan.lr, momentum=args.momentum, nesterov=args.nesterov,
@@ -127,11 +126,15 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
     start_epoch, start_step, start_sums = 1, 0, None
     if state is not None:
         start_epoch, start_step, start_sums, best = checkpoint.restore(
-            state, t, early_stopping, dist.rank, dist.world_size, args.resume)  # fmt: skip
+            state, t, early_stopping, dist.rank, dist.world_size, args.resume, best)  # fmt: skip
+    distributed.require_same((start_epoch, start_step, t.global_step), "the checkpoint each rank resumes from; "
+                             "put the runs folder on storage that every node shares")  # fmt: skip
 
     folder = run_folder.RunFolder(Path(args.run_dir), dist.is_main, run_folder.metric_columns(task))
     record = vars(args) | plan.summary() | {"val_samples": len(val_set), "task_info": run_folder.task_info(task)}
-    folder.start(record, start_epoch - 1, args.overwrite, args.tensorboard)
+    folder.start(
+        record, start_epoch - 1, args.overwrite, args.tensorboard, new_run=not (args.eval_only or args.plot_lr)
+    )
     preemption = distributed.Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(distributed.gather_objects(os.getpid()))
     log.info("%s on %d process(es), device %s: %s, learning rate %.6g (--lr-scaling %s), %d steps/epoch",
@@ -146,8 +149,8 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
                                  args.workers, args.prefetch_factor)  # fmt: skip
     if args.eval_only:
         row = {"epoch": start_epoch - 1, "step": t.global_step, "lr": t.lr} | engine.evaluate(t, val_loader)
-        folder.append(row)
-        log.info("eval-only: %s -> %s", run_folder.describe(row), folder.path)
+        folder.append(row, "eval.csv")  # beside the run's metrics.csv, never into it
+        log.info("eval-only: %s -> %s", run_folder.describe(row), folder.path / "eval.csv")
         return 0
     train_loader = data.train_loader(train_set, dist.rank, dist.device, args.seed, args.workers, args.prefetch_factor)
 
@@ -177,7 +180,9 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
         if first_step:
             checkpoint.restore_rng(state["rng"][dist.rank])
         t.epoch = epoch
-        progress = progress_bar(args, dist, len(steps), f"epoch {epoch}/{args.epochs}")
+        progress = engine.progress_bar(
+            not args.no_progress and dist.is_main, len(steps), f"epoch {epoch}/{args.epochs}"
+        )
         result = engine.train_one_epoch(t, steps, train_loader, first_step, start_sums if first_step else None,
                                         progress, args.log_interval, after_step)  # fmt: skip
         if progress is not None:
@@ -236,14 +241,6 @@ def preview_lr(args, plan, mode: str, run_dir: Path) -> Path:
     title = (f"{kind} after {args.warmup_epochs:g} warmup epochs, LR {plan.lr:.4g} (--lr-scaling {args.lr_scaling}, "
              f"{plan.describe()}){note}")  # fmt: skip
     return plots.lr_schedule(lrs, plan.steps_per_epoch, run_dir, title)
-
-
-def progress_bar(args, dist, total: int, description: str):
-    if args.no_progress or not dist.is_main:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -55,21 +55,23 @@ class RunFolder:
         self.columns = columns
         self._tensorboard = None
 
-    def start(self, config: dict, completed_epochs: int, overwrite: bool, tensorboard: bool) -> None:
-        """Clear the folder (--overwrite of a fresh run), write config.json, keep metrics.csv rows through the
-        checkpoint's epoch (a resumed run), and send the log to stdout and train.log."""
+    def start(self, config: dict, completed_epochs: int, overwrite: bool, tensorboard: bool, new_run=True) -> None:
+        """Send the log to stdout and train.log; for a run that trains (`new_run`), also clear the folder
+        (--overwrite of a fresh run), write config.json, and keep metrics.csv rows through the checkpoint's epoch."""
         log.handlers.clear()
         log.propagate = False
         if not self.is_main:
             log.setLevel(logging.ERROR)
             return
-        if overwrite and completed_epochs == 0 and self.path.exists():
+        if new_run and overwrite and completed_epochs == 0 and self.path.exists():
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         log.setLevel(logging.INFO)
         for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(self.path / "train.log")):
             handler.setFormatter(logging.Formatter("%(message)s"))
             log.addHandler(handler)
+        if not new_run:
+            return
         (self.path / "config.json").write_text(json.dumps(config | provenance(), indent=2))
         self._keep_metrics_through(completed_epochs)
         if tensorboard:
@@ -83,10 +85,10 @@ class RunFolder:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             (self.path / "workers.json").write_text(json.dumps({"pids": pids, "restart": restart}))
 
-    def append(self, row: dict) -> None:
+    def append(self, row: dict, name: str = "metrics.csv") -> None:
         if not self.is_main:
             return
-        path = self.path / "metrics.csv"
+        path = self.path / name
         new = not path.exists()
         with open(path, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.columns, restval="nan", extrasaction="ignore")

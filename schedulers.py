@@ -135,8 +135,10 @@ class Schedule:
     def warming_up(self) -> bool:
         return self.per_step.last_epoch < self.per_step.warmup_steps
 
-    def step(self) -> None:
+    def step(self, progress: float = 1.0) -> None:
+        """One optimizer step taken; AdaScale advances the schedule by its gain r instead of 1."""
         if self.plateau is None or self.warming_up:
+            self.per_step.last_epoch += progress - 1
             self.per_step.step()
 
     def epoch_end(self, monitored: float) -> None:
@@ -150,9 +152,20 @@ class Schedule:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.per_step.load_state_dict(state["per_step"])
-        if self.plateau is not None:
-            self.plateau.load_state_dict(state["plateau"])
+        """Where the schedule stood (its step count, the plateau's best and patience counters); this run's own
+        settings stay, so a run continued with more --epochs decays over its new length. The LR is set from them,
+        except after warmup under a plateau, where the optimizer's restored LR (with its cuts) is the truth."""
+        saved = state["per_step"]
+        self.per_step.last_epoch = saved["last_epoch"]
+        self.per_step._step_count = saved.get("_step_count", self.per_step._step_count)
+        if self.plateau is not None and state.get("plateau"):
+            for key in ("best", "num_bad_epochs", "cooldown_counter", "last_epoch"):
+                setattr(self.plateau, key, state["plateau"][key])
+        if self.plateau is None or self.warming_up:
+            groups = self.per_step.optimizer.param_groups
+            for group, base in zip(groups, self.per_step.base_lrs):
+                group["lr"] = self.per_step.lr_at(base, self.per_step.last_epoch)
+            self.per_step._last_lr = [group["lr"] for group in groups]
 
 
 def lrs_over_run(make_schedule, base_lr: float, total_steps: int, factor_at=lambda step: 1.0) -> list[float]:

@@ -10,8 +10,8 @@ from multiproc import REPO, legacy_launch, python_run, torchrun
 TIMING = {"epoch_seconds", "samples_per_second"}
 
 
-def _metrics(run_dir):
-    with open(run_dir / "metrics.csv", newline="") as f:
+def _metrics(run_dir, name="metrics.csv"):
+    with open(run_dir / name, newline="") as f:
         return list(csv.DictReader(f))
 
 
@@ -90,12 +90,13 @@ def test_eval_only_gives_the_same_numbers_at_any_world_size(tmp_path):
     three = torchrun(["--eval-only", "-n", "w3", "--runs-dir", str(tmp_path)], nproc=3)
     for result in (one, two, three):
         assert result.returncode == 0, result.stderr[-3000:]
-    rows = [_metrics(tmp_path / n)[0] for n in ("w1", "w2", "w3")]
+    rows = [_metrics(tmp_path / n, "eval.csv")[0] for n in ("w1", "w2", "w3")]
     # Identical weights everywhere; the loss agrees to float32 rounding (conv kernels block by batch size).
     assert rows[0]["val_acc"] == rows[1]["val_acc"] == rows[2]["val_acc"]
     for row in rows[1:]:
         assert float(row["val_loss"]) == pytest.approx(float(rows[0]["val_loss"]), rel=1e-6)
     assert not (tmp_path / "w1" / "last.pt").exists()  # evaluation only: nothing trained, nothing saved
+    assert not (tmp_path / "w1" / "metrics.csv").exists() and not (tmp_path / "w1" / "config.json").exists()
 
 
 @pytest.mark.timeout(300)

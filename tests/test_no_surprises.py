@@ -2,6 +2,7 @@
 the usual permissions, the sweep's defaults fit its epochs. Bad-flag messages: test_bad_input's catalogue."""
 
 import importlib.util
+import math
 import os
 import re
 import stat
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from multiproc import REPO
 
 import batch_trace
@@ -263,3 +265,22 @@ def test_help_answers_before_torch_is_imported():
     assert result.returncode == 0 and "--monitor-metric" in result.stdout and "--dataset" in result.stdout
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "config" in imported
+
+
+def test_a_run_continued_with_more_epochs_schedules_over_its_new_length(tmp_path):
+    flags = ["-n", "grow", "--runs-dir", str(tmp_path), "--no-progress", "--scheduler", "cosine", "-b", "64"]
+    assert run.main([*flags, "-e", "1"]) == 0
+    assert run.main([*flags, "-e", "3", "--resume", "auto"]) == 0
+    lrs = [float(r.split(",")[6]) for r in _metrics_rows(tmp_path / "grow")]
+    # 23 steps per epoch; the LR in each row is the one after that epoch's last step, on a 69-step cosine
+    total = 69
+    expected = [0.05 * (1 + math.cos(math.pi * min(23 * e + 1, total) / total)) / 2 for e in (2, 3)]
+    assert lrs[1:] == pytest.approx(expected, abs=1e-12) and lrs[1] > 0  # not the 1-epoch run's finished decay
+
+
+def test_a_compiled_run_saves_plain_weights_that_resume(tmp_path):
+    flags = ["-n", "c", "--runs-dir", str(tmp_path), "--no-progress", "--compile", "-b", "256"]
+    assert run.main([*flags, "-e", "1"]) == 0
+    saved = torch.load(tmp_path / "c" / "last.pt", weights_only=True)["model"]
+    assert not any(k.startswith("_orig_mod") for k in saved)
+    assert run.main([*flags, "-e", "2", "--resume", "auto"]) == 0

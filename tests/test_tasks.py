@@ -251,6 +251,17 @@ class WrongOutput:
         return F.mse_loss(outputs, targets.float())
 
 
+class Shaped(WrongOutput):
+    def model(self):
+        return nn.Linear(5, 3)
+
+    def loss(self, outputs, targets):
+        return F.cross_entropy(outputs, targets)
+
+    def metric_sums(self, outputs, targets):
+        return {"hits": (outputs.argmax(1) == targets).sum().reshape(1)}
+
+
 class Unnamed(WrongOutput):
     def model(self):
         return nn.Linear(5, 3)
@@ -267,10 +278,11 @@ class Unnamed(WrongOutput):
     "spec, extra, message",
     [
         ("nowhere.py:Task", [], "--task 'nowhere.py:Task': no Python file 'nowhere.py'"),
-        ("{bad}:Missing", [], "has no class 'Missing' (it defines: NoLoss, Unnamed, WrongOutput)"),
+        ("{bad}:Missing", [], "has no class 'Missing' (it defines: NoLoss, Shaped, Unnamed, WrongOutput)"),
         ("{bad}:NoLoss", [], "NoLoss lacks loss(); a task needs datasets(), model() and loss(outputs, targets)"),
         ("{bad}:WrongOutput", [], "the task's model output (on inputs of shape (4, 5)) does not fit its loss"),
         ("{bad}:Unnamed", [], "the task reports metrics ['hits'] but its `better` names []"),
+        ("{bad}:Shaped", [], "metric_sums() must give scalar tensors (batch sums); 'hits' is not"),
         ("task.py:Task", ["--monitor", "f1"], "--monitor-metric 'f1' is not a reported metric: use one of loss, acc"),
         ("examples/regression.py:Diabetes", ["--dataset", "mnist"], "--dataset is a flag of the built-in task"),
         ("examples/regression.py:Diabetes", ["--hidden", "0"], "--hidden must be a positive number of units, got 0"),
