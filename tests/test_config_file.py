@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import REPO
+from sweep_harness import load_sweep, recording_sweep
 
 import config
 import run
@@ -169,25 +170,8 @@ def test_a_bad_file_answers_before_torch_is_imported(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def _sweep():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sweep", REPO / "tools" / "sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_sweep_gives_its_config_file_to_every_cell(tmp_path, monkeypatch):
-    sweep = _sweep()
-    commands = []
-    monkeypatch.setattr(sweep, "summarise", lambda run_dir: {})
-    monkeypatch.setattr(sweep, "write_results", lambda *a: None)
-    monkeypatch.setattr(sweep.plots, "accuracy_vs_batch", lambda *a: None)
-    monkeypatch.setattr(sweep.plots, "overlay", lambda *a: None)
-    monkeypatch.setattr(
-        sweep.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0)
-    )
+    sweep, commands = recording_sweep(monkeypatch)
     _write(tmp_path, 'momentum = 0.8\nscheduler = "cosine"\nbase-lr = 9.0\n')
     monkeypatch.chdir(tmp_path)  # a path relative to where the sweep is started
     argv = ["--config", "flags.toml", "--batch-sizes", "64", "128", "--optimizers", "sgd", "--out", "out"]
@@ -202,7 +186,7 @@ def test_the_sweep_gives_its_config_file_to_every_cell(tmp_path, monkeypatch):
 
 
 def test_the_sweep_refuses_a_bad_config_file_before_any_cell(tmp_path, monkeypatch, capsys):
-    sweep = _sweep()
+    sweep = load_sweep()
     monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **kw: pytest.fail("a cell was started"))
     path = _write(tmp_path, "lookahead-k = 3\n")
     argv = ["--config", str(path), "--batch-sizes", "64", "--optimizers", "sgd", "--out", str(tmp_path / "out")]

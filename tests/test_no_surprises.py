@@ -1,7 +1,6 @@
 """No surprises (#12): the command line says what it does, checkpoints and traces fail in plain words, files get
 the usual permissions, the sweep's defaults fit its epochs. Bad-flag messages: test_bad_input's catalogue."""
 
-import importlib.util
 import math
 import os
 import re
@@ -12,6 +11,7 @@ import sys
 import pytest
 import torch
 from multiproc import REPO
+from sweep_harness import load_sweep, recording_sweep
 
 import batch_trace
 import checkpoint
@@ -140,16 +140,9 @@ def test_run_py_names_the_trace_line_and_step(tmp_path, capsys):
     assert err == ["error: " + _not_a_multiple(path, "line 4 (step 2)", 40, 16)]
 
 
-def _sweep():
-    spec = importlib.util.spec_from_file_location("sweep", REPO / "tools" / "sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("epochs, warmup", [(1, 0.5), (3, 1.5), (4, 2.0), (10, 2.0)])
 def test_sweep_warmup_fits_the_epochs(epochs, warmup):
-    assert _sweep().default_warmup(epochs) == warmup
+    assert load_sweep().default_warmup(epochs) == warmup
 
 
 TORCHRUN_REPORT = """W1122 06:15:50 torch/distributed/run.py:792] Setting OMP_NUM_THREADS environment variable to 1
@@ -163,7 +156,7 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 
 
 def test_a_failed_sweep_cell_shows_run_py_s_error_first(tmp_path, monkeypatch, capsys):
-    sweep = _sweep()
+    sweep = load_sweep()
     commands = []
 
     def fake_run(cmd, **kwargs):
@@ -191,21 +184,13 @@ def test_a_failed_sweep_cell_shows_run_py_s_error_first(tmp_path, monkeypatch, c
     ],
 )
 def test_sweep_finds_run_py_s_error_line(line, expected):
-    error, rest = _sweep().split_error(f"noise before\n{line}\nnoise after\n")
+    error, rest = load_sweep().split_error(f"noise before\n{line}\nnoise after\n")
     assert error == expected
     assert rest == ("noise before\nnoise after" if expected else f"noise before\n{line}\nnoise after\n")
 
 
 def test_sweep_passes_no_reference_batch_to_keep_scaling(tmp_path, monkeypatch):
-    sweep = _sweep()
-    commands = []
-    monkeypatch.setattr(sweep, "summarise", lambda run_dir: {})
-    monkeypatch.setattr(sweep, "write_results", lambda *a: None)
-    monkeypatch.setattr(sweep.plots, "accuracy_vs_batch", lambda *a: None)
-    monkeypatch.setattr(sweep.plots, "overlay", lambda *a: None)
-    monkeypatch.setattr(
-        sweep.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0)
-    )
+    sweep, commands = recording_sweep(monkeypatch)
     argv = ["--batch-sizes", "64", "--optimizers", "sgd", "--lr-scaling", "sgd=keep", "--out", str(tmp_path)]
     assert sweep.main(argv) == 0
     assert "--base-batch-size" not in commands[0] and config.parse(commands[0][commands[0].index("--optimizer") :])
