@@ -69,7 +69,8 @@ def test_a_list_sets_a_flag_that_takes_several_values(tmp_path):
 
 def test_config_json_holds_the_file_path_and_the_resolved_flags(tmp_path):
     path = _write(tmp_path, 'optimizer = "lamb"\nbase-lr = 0.02\nscheduler = "cosine"\nwarmup-epochs = 1\n')
-    argv = ["--config", str(path), "--base-lr", "0.01", "-n", "r", "--runs-dir", str(tmp_path / "runs"), "--plot-lr"]
+    argv = ["--config", str(path), "--base-lr", "0.01", "-n", "r", "--runs-dir", str(tmp_path / "runs"), "-e", "1",
+            "-b", "256", "--no-progress"]  # fmt: skip
     assert run.main(argv) == 0
     saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
     assert saved["config_file"] == str(path.resolve())
