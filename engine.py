@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import precise_bn
 from batch_trace import TraceReduction
 from config import UserError
 from distributed import all_reduce_sum, any_rank, broadcast_buffers, gather_from_ranks
@@ -273,6 +274,15 @@ def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
 
 
 @torch.no_grad()
+def recompute_bn_stats(t: Training, loader, batches: int) -> int:
+    """--precise-bn: BatchNorm statistics from `batches` of the loader's micro-batches per rank (all it has when
+    fewer), with the current weights, averaged over the ranks (precise_bn.py). Returns the batches used."""
+    if batches < 1:
+        return 0
+    inputs = (t.to_device(x, y)[0] for x, y in loader)
+    return precise_bn.recompute(t.raw_model, inputs, min(batches, len(loader)), t.precision.autocast)
+
+
 def evaluate(t: Training, loader) -> dict[str, float]:
     """The task's loss and metrics over the validation set, each sample counted once across ranks (sums and
     counts). Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward

@@ -41,7 +41,9 @@ class Task:
         g.add_argument("--download", action="store_true", help="let torchvision download the dataset")
         g.add_argument("--train-dir", default=None, help="imagefolder: training images, one folder per class")
         g.add_argument("--val-dir", default=None, help="imagefolder: validation images, one folder per class")
-        g.add_argument("--image-size", type=int, default=224, help="imagefolder: crop size")
+        g.add_argument("--image-size", type=int, default=None,
+                       help="imagefolder: crop size (default 224); digits, mnist-idx, mnist, fashion-mnist: resize "
+                            "every image to SIZE x SIZE once at load (default: as stored)")  # fmt: skip
         g.add_argument("--model", default="toy",
                        help="toy (a small CNN for any input size) or a torchvision classifier name")  # fmt: skip
         g.add_argument("--init", choices=("default", "he"), default="default",
@@ -55,8 +57,10 @@ class Task:
             raise UserError("--dataset imagefolder needs --train-dir and --val-dir (one sub-folder per class)")
         if not 0.0 <= args.label_smoothing < 1.0:
             raise UserError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
-        if args.image_size < 1:
+        if args.image_size is not None and args.image_size < 1:
             raise UserError(f"--image-size must be a positive integer, got {args.image_size}")
+        if args.image_size is not None and args.dataset == "cifar10":
+            raise UserError("--image-size does not apply to --dataset cifar10 (its 32x32 crops); leave it out")
         import models
 
         models.check_name(args.model)
@@ -75,7 +79,9 @@ class Task:
         elif a.dataset == "cifar10":
             train, val = image_data.cifar10(a.data_root, a.download)
         else:
-            train, val = image_data.image_folders(a.train_dir, a.val_dir, a.image_size)
+            train, val = image_data.image_folders(a.train_dir, a.val_dir, a.image_size or 224)
+        if a.image_size and a.dataset in ("digits", "mnist-idx", "mnist", "fashion-mnist"):
+            train, val = image_data.resized(train, a.image_size), image_data.resized(val, a.image_size)
         self.in_channels = train[0][0].shape[0]
         self.num_classes = count_classes(train, val)
         return train, val
