@@ -360,10 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("DDP performance")
     g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm before DDP")
-    g.add_argument("--precise-bn", type=int, default=0, metavar="N",
-                   help="before each evaluation, recompute BatchNorm's running statistics as the average over N "
-                        "training micro-batches per rank with the current weights (precise BN: for runs of few "
-                        "steps, such as very large batches); 0: off")  # fmt: skip
+    g.add_argument("--precise-bn", type=int, default=0, metavar="SAMPLES",
+                   help="before each evaluation, recompute BatchNorm's running statistics with the current weights "
+                        "as the average over about SAMPLES training samples (whole micro-batches, split over the "
+                        "ranks; precise BN: for runs of few steps, such as very large batches); 0: off")  # fmt: skip
     g.add_argument("--static-graph", action="store_true", help="DDP static_graph=True")
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
     g.add_argument("--find-unused-parameters", action="store_true", help="DDP find_unused_parameters=True")
@@ -655,7 +655,7 @@ def _check_values(cfg: argparse.Namespace) -> None:
     if cfg.workers < 0:
         raise UserError(f"--workers must be >= 0, got {cfg.workers}")
     if cfg.precise_bn < 0:
-        raise UserError(f"--precise-bn must be >= 0 (batches per rank; 0 turns it off), got {cfg.precise_bn}")
+        raise UserError(f"--precise-bn must be >= 0 (training samples; 0 turns it off), got {cfg.precise_bn}")
     if not cfg.warmup_epochs >= 0:
         raise UserError(f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}")
     if cfg.warmup_epochs > cfg.epochs:

@@ -274,13 +274,15 @@ def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
 
 
 @torch.no_grad()
-def recompute_bn_stats(t: Training, loader, batches: int) -> int:
-    """--precise-bn: BatchNorm statistics from `batches` of the loader's micro-batches per rank (all it has when
-    fewer), with the current weights, averaged over the ranks (precise_bn.py). Returns the batches used."""
-    if batches < 1:
+def recompute_bn_stats(t: Training, loader, samples: int, micro_batch: int, world_size: int) -> int:
+    """--precise-bn SAMPLES: BatchNorm statistics from about `samples` training samples in all (whole micro-batches,
+    split over the ranks; all the loader has when fewer), with the current weights, averaged over the ranks
+    (precise_bn.py). Returns the micro-batches used per rank."""
+    if samples < 1:
         return 0
+    batches = min(-(-samples // (micro_batch * world_size)), len(loader))
     inputs = (t.to_device(x, y)[0] for x, y in loader)
-    return precise_bn.recompute(t.raw_model, inputs, min(batches, len(loader)), t.precision.autocast)
+    return precise_bn.recompute(t.raw_model, inputs, batches, t.precision.autocast)
 
 
 def evaluate(t: Training, loader) -> dict[str, float]:

@@ -92,13 +92,19 @@ def overlay(run_dirs: list[str | Path], path: str | Path) -> Path:
 
 
 def accuracy_vs_batch(results: dict[str, list[dict]], path: str | Path) -> Path:
-    """Final top-1 accuracy against global batch size (log scale), one line per optimizer."""
+    """Final top-1 accuracy against global batch size (log scale), one line per optimizer; with several runs per
+    cell (seeds), the mean with a bar from the lowest to the highest run."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for optimizer, cells in results.items():
-        ax.plot([c["batch"] for c in cells], [c["top1"] for c in cells], "o-", label=optimizer)
+        x, y = [c["batch"] for c in cells], [c["top1"] for c in cells]
+        if all("top1_min" in c for c in cells):
+            bars = [[c["top1"] - c["top1_min"] for c in cells], [c["top1_max"] - c["top1"] for c in cells]]
+            ax.errorbar(x, y, yerr=bars, fmt="o-", capsize=4, label=optimizer)
+        else:
+            ax.plot(x, y, "o-", label=optimizer)
     ax.set_xscale("log", base=2)
     ax.set(title="Validation accuracy against batch size", xlabel="global batch size (samples, log scale)",
-           ylabel="final top-1 accuracy (%)")  # fmt: skip
+           ylabel="final top-1 accuracy (%): mean, min-max")  # fmt: skip
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()

@@ -19,6 +19,7 @@ def recording_sweep(monkeypatch):
     """(the sweep module, the list its cells' commands are appended to): no cell runs, no figure is drawn."""
     sweep, commands = load_sweep(), []
     monkeypatch.setattr(sweep, "summarise", lambda run_dir: {})
+    monkeypatch.setattr(sweep, "over_seeds", lambda runs: {})
     monkeypatch.setattr(sweep, "write_results", lambda *a: None)
     monkeypatch.setattr(sweep.plots, "accuracy_vs_batch", lambda *a: None)
     monkeypatch.setattr(sweep.plots, "overlay", lambda *a: None)

@@ -52,7 +52,7 @@ CASES = {
     "negative end lr": (["--scheduler", "poly", "--end-lr", "-0.1"], "--end-lr must be >= 0, got -0.1"),
     "zero lr power": (["--scheduler", "poly", "--lr-power", "0"], "--lr-power must be > 0"),
     "zero bucket": (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
-    "negative precise bn": (["--precise-bn", "-1"], "--precise-bn must be >= 0 (batches per rank; 0 turns it off)"),
+    "negative precise bn": (["--precise-bn", "-1"], "--precise-bn must be >= 0 (training samples; 0 turns it off)"),
     "image size for cifar10": (["--dataset", "cifar10", "--image-size", "14"], "--image-size does not apply to"),
     "negative early stop delta": (["--early-stop-patience", "2", "--early-stop-delta", "-1"], "must be >= 0"),
     "lookahead k without lookahead": (

@@ -309,3 +309,50 @@ def test_the_recipes_for_data_that_ships_here_train_one_epoch(name, tmp_path, mo
     rows = (tmp_path / "one" / "metrics.csv").read_text().strip().splitlines()
     val_acc = float(rows[1].split(",")[rows[0].split(",").index("val_acc")])
     assert len(rows) == 2 and math.isfinite(val_acc) and val_acc > 0.5  # chance is 0.1
+
+
+def test_the_sweep_runs_each_recipe_at_each_batch_and_seed(tmp_path, monkeypatch):
+    """--recipes: the file says everything; the sweep sets only the per-process batch, the seed and the name."""
+    sweep, commands = recording_sweep(monkeypatch)
+    recipe = 'optimizer = "lamb"\nbase-lr = 0.03\nlr-scaling = "sqrt"\nbase-batch-size = 64\nepochs = 3\n'
+    path = _write(tmp_path, recipe)
+    argv = ["--recipes", str(path), "--batch-sizes", "512", "64", "--seeds", "1", "2", "--out", str(tmp_path / "out")]
+    assert sweep.main(argv) == 0
+    names, seen = [], []
+    for cmd in commands:
+        flags = cmd[cmd.index(str(REPO / "run.py")) + 1 :]
+        cfg, _ = config.parse(flags)
+        names.append(cfg.name)
+        seen.append((cfg.optimizer, cfg.base_lr, cfg.epochs, cfg.batch_size, cfg.seed))
+    assert names == ["flags-b64-s1", "flags-b64-s2", "flags-b512-s1", "flags-b512-s2"]
+    assert seen == [(("lamb", 0.03, 3, b, s)) for b in (32, 256) for s in (1, 2)]
+
+
+def test_the_sweep_refuses_recipes_with_optimizer_flags(tmp_path, capsys):
+    sweep = load_sweep()
+    path = _write(tmp_path, 'optimizer = "lamb"\n')
+    argv = ["--recipes", str(path), "--optimizers", "sgd", "--batch-sizes", "64", "--out", str(tmp_path / "out")]
+    assert sweep.main(argv) == 2
+    assert capsys.readouterr().err.startswith("error: --recipes files give each line's optimizer and LR")
+
+
+def test_the_sweep_reports_mean_and_spread_over_seeds(tmp_path):
+    """Mean, sample standard deviation, min-max and the gap to the best smallest-batch mean, by hand."""
+    sweep = load_sweep()
+    runs = lambda batch, accs: [  # noqa: E731
+        {"batch": batch, "lr": 0.1, "top1": a, "best": a + 1, "seconds": 2.0, "wall": 10.0} for a in accs
+    ]
+    results = {
+        "sgd": [sweep.over_seeds(runs(64, [97.0, 98.0, 99.0])), sweep.over_seeds(runs(8000, [10.0, 12.0, 20.0]))],
+        "lamb": [sweep.over_seeds(runs(64, [96.0, 96.5, 97.0])), sweep.over_seeds(runs(8000, [94.0, 95.0, 96.0]))],
+    }
+    cell = results["sgd"][1]
+    assert cell["top1"] == pytest.approx(14.0)
+    assert cell["top1_std"] == pytest.approx(((4.0**2 + 2.0**2 + 6.0**2) / 2) ** 0.5)
+    assert (cell["top1_min"], cell["top1_max"], cell["runs"], cell["wall"]) == (10.0, 20.0, 3, 30.0)
+    sweep.write_results(tmp_path, results, "python tools/sweep.py ...")
+    text = (tmp_path / "results.md").read_text()
+    assert "| 8000 | 0.1 | 95.00 % ± 1.00 (94.00–96.00) | -3.00 pt | 96.00 % | 2.0 s | 3 |" in text
+    assert "Wall time of the cells, start-up and evaluation included: 2.0 min" in text
+    sweep.plots.accuracy_vs_batch(results, tmp_path / "acc.png")
+    assert (tmp_path / "acc.png").stat().st_size > 0

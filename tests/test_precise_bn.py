@@ -98,10 +98,33 @@ def test_two_ranks_average_equals_one_process_over_all_their_batches():
     torch.testing.assert_close(buffers[4], var2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("samples", "world_size", "expected"), [(200, 1, 7), (32, 1, 1), (65, 2, 2), (10**6, 1, 10)])
+def test_samples_become_whole_micro_batches_per_rank(samples, world_size, expected):
+    """ceil(samples / (micro-batch x ranks)), capped by the epoch's micro-batches (10 of 32 here)."""
+    import tiny
+
+    from plan import Step
+
+    train, _ = image_data.digits()
+    steps = [Step([list(range(i * 32, (i + 1) * 32))], 32, 32, 1.0) for i in range(10)]
+    model = _net_cnn()
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    import engine
+
+    assert engine.recompute_bn_stats(t, tiny.loader_for(train, steps), samples, 32, world_size) == expected
+
+
+def _net_cnn():
+    import models
+
+    torch.manual_seed(0)
+    return models.build("toy", 1, 10)
+
+
 def test_run_py_saves_the_statistics_of_the_whole_training_set(tmp_path):
-    """One step per epoch (batch = the training set) and --precise-bn 1: the saved first BatchNorm's statistics
-    are the mean and unbiased variance of the first convolution's output over every training image, computed
-    here from the saved weights."""
+    """One step per epoch (batch = the training set) and --precise-bn 1 (rounded up to one micro-batch): the
+    saved first BatchNorm's statistics are the mean and unbiased variance of the first convolution's output over
+    every training image, computed here from the saved weights."""
     train, _ = image_data.digits()
     argv = ["-b", str(len(train)), "-e", "2", "--warmup-epochs", "0", "-l", "0.5", "--precise-bn", "1",
             "--runs-dir", str(tmp_path), "-n", "r", "--no-progress"]  # fmt: skip

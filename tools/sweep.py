@@ -1,24 +1,30 @@
-"""Batch-size sweep: run.py as real torchrun jobs over global batch sizes x optimizers, one after another,
-resumable (finished cells are skipped), with results.md (the original LARS project's table shape),
-accuracy_vs_batch.png and every cell's curves on one figure.
+"""Batch-size sweep: run.py as real torchrun jobs over global batch sizes x optimizers (or recipe files) x seeds,
+one after another, resumable (finished cells are skipped), with results.md (mean +- spread over the seeds, the
+original LARS project's table shape), accuracy_vs_batch.png and every cell's curves on one figure.
 
     python tools/sweep.py --batch-sizes 32 256 --optimizers sgd lars --epochs 1 --out DIR [-- run.py flags]
     python tools/sweep.py --config recipes/mnist-lars.toml --batch-sizes 64 512 --optimizers lars --out DIR
+    python tools/sweep.py --recipes recipes/mnist-large-batch-*.toml --batch-sizes 64 8000 --seeds 1 2 3 --out DIR
 
 Each optimizer has its LR at --ref-batch-size (--base-lr sgd=0.05 lars=2.0) and its scaling rule with the
-global batch (--lr-scaling sgd=linear lars=sqrt). Cells: DIR/cells/<optimizer>-b<batch>/ (run folders).
-`--config FILE.toml` gives every cell run.py's flags from a file; the sweep's own flags for each cell (optimizer,
-batch, LR, scaling, epochs, warmup) and those after `--` override it. Every cell's flags are checked before the
-first cell starts.
+global batch (--lr-scaling sgd=linear lars=sqrt). `--config FILE.toml` gives every cell run.py's flags from a
+file; the sweep's own flags for each cell (optimizer, batch, LR, scaling, epochs, warmup) and those after `--`
+override it. `--recipes A.toml B.toml` instead makes each file one line of the table: the file says everything
+(optimizer, LR and its scaling rule, schedule, epochs); the sweep sets only the global batch (split evenly over
+--nproc processes), the seed, and --epochs / --warmup-epochs when given. Cells: DIR/cells/<optimizer or recipe
+name>-b<batch>[-s<seed>]/ (run folders). Every cell's flags are checked before the first cell starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -69,30 +75,48 @@ def cell_finished(run_dir: Path, epochs: int) -> bool:
         return len(list(csv.DictReader(f))) >= epochs or (run_dir / "curves.png").exists()
 
 
-def cell_flags(args, optimizer: str, batch: int, lr: str, scaling: str, extra: list[str]) -> list[str]:
-    """run.py's flags for one cell."""
-    # run.py refuses --base-batch-size where `keep` would ignore it
-    reference = [] if scaling == "keep" else ["--base-batch-size", str(args.ref_batch_size)]
+def variants(args) -> list[tuple[str, list[str]]]:
+    """(label, run.py flags that do not depend on the batch or seed): one per optimizer, or one per recipe file."""
+    timing = [*(["--epochs", str(args.epochs)] if args.epochs else []),
+              *(["--warmup-epochs", str(args.warmup_epochs)] if args.warmup_epochs is not None else [])]  # fmt: skip
+    if args.recipes:
+        return [(Path(f).stem, ["--config", str(Path(f).resolve()), *timing]) for f in args.recipes]
+    lrs, scalings = pairs(args.base_lr, DEFAULT_LR), pairs(args.lr_scaling, DEFAULT_SCALING)
     from_file = ["--config", str(Path(args.config).resolve())] if args.config else []
+    result = []
+    for optimizer in args.optimizers:
+        scaling = scalings[optimizer]  # run.py refuses --base-batch-size where `keep` would ignore it
+        reference = [] if scaling == "keep" else ["--base-batch-size", str(args.ref_batch_size)]
+        result.append((optimizer, [*from_file, "--optimizer", optimizer, "--base-lr", lrs[optimizer],
+                                   "--lr-scaling", scaling, *reference, *timing,
+                                   *OPTIMIZER_FLAGS.get(optimizer, [])]))  # fmt: skip
+    return result
+
+
+def cell_name(label: str, batch: int, seed: int | None) -> str:
+    return f"{label}-b{batch}" + (f"-s{seed}" if seed is not None else "")
+
+
+def cell_flags(args, label: str, flags: list[str], batch: int, seed: int | None, extra: list[str]) -> list[str]:
+    """run.py's flags for one cell."""
     return [
-        *from_file, "--optimizer", optimizer, "--batch-size", str(batch // args.nproc), "--base-lr", lr,
-        "--lr-scaling", scaling, *reference, "--epochs", str(args.epochs), "--warmup-epochs", str(args.warmup_epochs),
-        "-n", f"{optimizer}-b{batch}", "--runs-dir", str(Path(args.out) / "cells"), "--no-progress",
-        "--resume", "auto", *OPTIMIZER_FLAGS.get(optimizer, []), *extra,
+        *flags, "--batch-size", str(batch // args.nproc), *(["--seed", str(seed)] if seed is not None else []),
+        "-n", cell_name(label, batch, seed), "--runs-dir", str(Path(args.out) / "cells"), "--no-progress",
+        "--resume", "auto", *extra,
     ]  # fmt: skip
 
 
-def run_cell(args, optimizer: str, batch: int, lr: str, scaling: str, extra: list[str]) -> Path:
-    name = f"{optimizer}-b{batch}"
+def run_cell(args, name: str, flags: list[str], epochs: int) -> Path:
     run_dir = Path(args.out) / "cells" / name
-    if cell_finished(run_dir, args.epochs):
+    if cell_finished(run_dir, epochs):
         print(f"{name}: finished before, skipped")
         return run_dir
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        str(REPO / "run.py"), *cell_flags(args, optimizer, batch, lr, scaling, extra),
+        str(REPO / "run.py"), *flags,
     ]  # fmt: skip
     print(f"{name}: {' '.join(cmd[3:])}", flush=True)
+    started = time.perf_counter()
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         error, rest = split_error(result.stderr)
@@ -100,41 +124,78 @@ def run_cell(args, optimizer: str, batch: int, lr: str, scaling: str, extra: lis
             print(error, file=sys.stderr)
         print("\n".join(rest.splitlines()[-40:]), file=sys.stderr)
         raise SystemExit(f"error: cell {name} failed (exit {result.returncode}); fix it and run the sweep again")
+    if run_dir.is_dir():  # the whole cell, start-up and evaluation included: what a sweep's length is made of
+        (run_dir / "sweep_wall_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
     return run_dir
 
 
 def summarise(run_dir: Path) -> dict:
     rows = plots.read_metrics(run_dir)
-    import json
-
     config = json.loads((run_dir / "config.json").read_text())
+    wall = run_dir / "sweep_wall_seconds.txt"
     return {
         "batch": config["global_batch_size"],
         "lr": config["effective_lr"],
         "top1": 100 * rows[-1]["val_acc"],
         "best": 100 * max(r["val_acc"] for r in rows),
         "seconds": sum(r["epoch_seconds"] for r in rows),
+        "wall": float(wall.read_text()) if wall.exists() else 0.0,
+    }
+
+
+def over_seeds(cells: list[dict]) -> dict:
+    """One table cell from a batch size's runs (one per seed): mean, sample standard deviation, min and max of
+    the final top-1; mean of the best epochs; mean time to train."""
+    top1 = [c["top1"] for c in cells]
+    return {
+        "batch": cells[0]["batch"],
+        "lr": cells[0]["lr"],
+        "runs": len(cells),
+        "top1": statistics.fmean(top1),
+        "top1_std": statistics.stdev(top1) if len(top1) > 1 else 0.0,
+        "top1_min": min(top1),
+        "top1_max": max(top1),
+        "best": statistics.fmean(c["best"] for c in cells),
+        "seconds": statistics.fmean(c["seconds"] for c in cells),
+        "wall": sum(c["wall"] for c in cells),
     }
 
 
 def write_results(out: Path, results: dict[str, list[dict]], command: str) -> None:
+    """results: label -> one over_seeds() dict per batch size, smallest batch first."""
+    smallest = min(c["batch"] for cells in results.values() for c in cells)
+    reference = max(c["top1"] for cells in results.values() for c in cells if c["batch"] == smallest)
+    wall = sum(c["wall"] for cells in results.values() for c in cells)
     lines = ["# Batch-size sweep", "", f"Regenerate: `{command}`", ""]
-    for optimizer, cells in results.items():
+    for label, cells in results.items():
         lines += [
-            f"## {optimizer}",
+            f"## {label}",
             "",
-            "| Batch | Base LR | top-1 accuracy | time to train |",
-            "| --- | --- | --- | --- |",
+            f"| Batch | Base LR | top-1 accuracy, final | vs best batch-{smallest} | best epoch | time to train "
+            "| runs |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for c in cells:
+            spread = f" ± {c['top1_std']:.2f} ({c['top1_min']:.2f}–{c['top1_max']:.2f})" if c["runs"] > 1 else ""
             lines.append(
-                f"| {c['batch']} | {c['lr']:.4g} | {c['top1']:.2f} % (best {c['best']:.2f} %) | {c['seconds']:.1f} s |"
+                f"| {c['batch']} | {c['lr']:.4g} | {c['top1']:.2f} %{spread} | {c['top1'] - reference:+.2f} pt | "
+                f"{c['best']:.2f} % | {c['seconds']:.1f} s | {c['runs']} |"
             )
         lines.append("")
-    lines.append(
-        "Base LR: the LR after scaling for that batch. top-1: final validation accuracy (best epoch in "
-        "brackets). Time to train: the sum of the epochs' training times, without start-up or evaluation."
-    )
+    lines += [
+        "Base LR: the LR after scaling for that batch. top-1, final: validation accuracy after the last epoch, the "
+        "mean over the runs (one per seed) ± their sample standard deviation (min–max). vs best batch-"
+        f"{smallest}: the difference from the best mean at the smallest batch ({reference:.2f} %). best epoch: "
+        "the mean of each run's best epoch. Time to train: the mean sum of the epochs' training times, without "
+        "start-up or evaluation.",
+        "",
+        f"Wall time of the cells, start-up and evaluation included: {wall / 60:.1f} min"
+        + (
+            " (cells run before this version of the sweep are not counted)"
+            if any(c["wall"] == 0 for cells in results.values() for c in cells)
+            else ""
+        ),  # fmt: skip
+    ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
@@ -147,46 +208,65 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", required=True, help="global batch sizes")
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "lars"])
-    parser.add_argument("--epochs", type=int, default=10, help="epochs per cell (default: 10)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs per cell (default: 10, or what each recipe says)")  # fmt: skip
     parser.add_argument(
         "--warmup-epochs",
         type=float,
         default=None,
-        help="warmup of every cell (default: 2, or half of --epochs when that is shorter)",
+        help="warmup of every cell (default: 2, or half of --epochs when that is shorter; or what each recipe says)",
     )
     parser.add_argument("--ref-batch-size", type=int, default=32, help="the batch each --base-lr is given for")
     parser.add_argument("--base-lr", nargs="*", default=[], metavar="OPT=LR", help="e.g. sgd=0.05 lars=2")
     parser.add_argument("--lr-scaling", nargs="*", default=[], metavar="OPT=RULE", help="e.g. sgd=linear lars=sqrt")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="run each cell once per seed; mean ± spread (default: run.py's seed, once)")  # fmt: skip
     parser.add_argument("--nproc", type=int, default=2, help="processes per cell")
     parser.add_argument("--out", required=True, help="the sweep folder")
     parser.add_argument("--config", default=None, metavar="FILE.toml", help="run.py flags for every cell")
+    parser.add_argument("--recipes", nargs="+", default=None, metavar="FILE.toml",
+                        help="one table line per file, which says everything but the batch and the seed")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.warmup_epochs is None:
-        args.warmup_epochs = default_warmup(args.epochs)
-    if args.warmup_epochs > args.epochs:
+    if args.recipes and (args.config or args.base_lr or args.lr_scaling or "--optimizers" in argv):
+        print("error: --recipes files give each line's optimizer and LR: drop --optimizers, --config, --base-lr "
+              "and --lr-scaling, or drop --recipes", file=sys.stderr)  # fmt: skip
+        return 2
+    if not args.recipes:
+        args.epochs = args.epochs or 10
+        if args.warmup_epochs is None:
+            args.warmup_epochs = default_warmup(args.epochs)
+    if args.epochs and args.warmup_epochs is not None and args.warmup_epochs > args.epochs:
         print(f"error: --warmup-epochs {args.warmup_epochs} exceeds --epochs {args.epochs}", file=sys.stderr)
         return 2
     bad = [b for b in args.batch_sizes if b % args.nproc]
     if bad:
         print(f"error: batch sizes {bad} do not divide by --nproc {args.nproc}", file=sys.stderr)
         return 2
-    lrs, scalings = pairs(args.base_lr, DEFAULT_LR), pairs(args.lr_scaling, DEFAULT_SCALING)
-    cells = [(optimizer, batch) for optimizer in args.optimizers for batch in sorted(args.batch_sizes)]
-    for optimizer, batch in cells:  # a mistake in any cell's flags, before the first cell starts and writes
-        try:
-            config.parse(cell_flags(args, optimizer, batch, lrs[optimizer], scalings[optimizer], extra))
-        except config.UserError as error:
-            print(f"error: cell {optimizer}-b{batch}: {error}", file=sys.stderr)
-            return 2
+    seeds = args.seeds or [None]
+    cells = []  # (label, batch, name, flags, epochs)
+    for label, flags in variants(args):
+        for batch in sorted(args.batch_sizes):
+            for seed in seeds:  # a mistake in any cell's flags, before the first cell starts and writes
+                name, full = cell_name(label, batch, seed), cell_flags(args, label, flags, batch, seed, extra)
+                try:
+                    cfg, _ = config.parse(full)
+                except config.UserError as error:
+                    print(f"error: cell {name}: {error}", file=sys.stderr)
+                    return 2
+                cells.append((label, batch, name, full, cfg.epochs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    results: dict[str, list[dict]] = {}
+    runs: dict[tuple[str, int], list[dict]] = {}
     run_dirs = []
-    for optimizer, batch in cells:
-        run_dir = run_cell(args, optimizer, batch, lrs[optimizer], scalings[optimizer], extra)
-        run_dirs.append(run_dir)
-        results.setdefault(optimizer, []).append(summarise(run_dir))
+    for label, batch, name, flags, epochs in cells:
+        run_dir = run_cell(args, name, flags, epochs)
+        if name.endswith(f"-s{seeds[0]}") or seeds == [None]:
+            run_dirs.append(run_dir)  # the curves figure: the first seed of each cell
+        runs.setdefault((label, batch), []).append(summarise(run_dir))
+    results: dict[str, list[dict]] = {}
+    for (label, _), cell_runs in runs.items():
+        results.setdefault(label, []).append(over_seeds(cell_runs))
     command = "python tools/sweep.py " + " ".join(argv + (["--", *extra] if extra else []))
     write_results(out, results, command)
     plots.accuracy_vs_batch(results, out / "accuracy_vs_batch.png")
