@@ -222,7 +222,11 @@ CIFAR10 = {
     4096: (1.6, "85.02 %", "88.38 %"),
     8192: (3.2, "77.72 %", "86.40 %"),
 }
-SMALL = [f"{data}-{optimizer}.toml" for data in ("digits", "mnist") for optimizer in ("sgd", "lars", "lamb")]
+SMALL = [
+    f"{data}-{optimizer}.toml"
+    for data in ("digits", "mnist", "mnist-large-batch")
+    for optimizer in ("sgd", "lars", "lamb")
+]
 
 
 def _resolve(path: Path, tmp_path: Path):
