@@ -150,3 +150,25 @@ def test_precise_bn_brings_evaluation_to_the_trained_network(tmp_path):
         header, last = rows[0].split(","), rows[-1].split(",")
         losses[n] = float(last[header.index("val_loss")])
     assert losses[1] < losses[0]
+
+
+def test_bn_check_evaluates_the_same_weights_both_ways(tmp_path, capsys):
+    """tools/bn_check.py: the saved statistics' line equals run.py's own evaluation of that checkpoint."""
+    import importlib.util
+
+    from multiproc import REPO
+
+    argv = ["-b", "1437", "-e", "3", "--warmup-epochs", "0", "--optimizer", "lamb", "-l", "0.05",
+            "--runs-dir", str(tmp_path), "-n", "r", "--no-progress"]  # fmt: skip
+    assert run.main(argv) == 0
+    last = (tmp_path / "r" / "metrics.csv").read_text().splitlines()
+    header, row = last[0].split(","), last[-1].split(",")
+    spec = importlib.util.spec_from_file_location("bn_check", REPO / "tools" / "bn_check.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    capsys.readouterr()
+    assert tool.main([str(tmp_path / "r" / "last.pt"), "--samples", "1200", "--", "--dataset", "digits"]) == 0
+    out = capsys.readouterr().out
+    val_loss = float(row[header.index("val_loss")])
+    assert f"val loss {val_loss:.4f}" in out.splitlines()[1]
+    assert "statistics of 1200 training samples" in out.splitlines()[2]
