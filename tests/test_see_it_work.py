@@ -42,7 +42,8 @@ def test_sweep_on_a_2x2_grid_writes_both_tables_and_figures_and_resumes(tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     results = (tmp_path / "results.md").read_text()
     assert "## sgd" in results and "## lars" in results
-    assert results.count("| Batch | Base LR | top-1 accuracy | time to train |") == 2
+    header = "| Batch | Base LR | top-1 accuracy, final | vs best batch-32 | best epoch | time to train | runs |"
+    assert results.count(header) == 2
     assert "| 256 | 0.4 |" in results  # sgd: 0.05 x 256/32, linear scaling
     assert _png(tmp_path / "accuracy_vs_batch.png") and _png(tmp_path / "curves.png")
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
