@@ -1,6 +1,6 @@
-"""Precise BatchNorm statistics (`--precise-bn N`): before an evaluation, every BatchNorm layer's running mean and
-variance become the plain average of the batch statistics of N training micro-batches per rank, computed with
-the current weights and averaged over the ranks.
+"""Precise BatchNorm statistics (`--precise-bn SAMPLES`): before an evaluation, every BatchNorm layer's running mean
+and variance become the plain average of the batch statistics of a number of training micro-batches per rank,
+computed with the current weights and averaged over the ranks.
 
 Why: evaluation uses the running statistics, an exponential moving average (momentum 0.1) of the batch statistics
 seen during training. After a few hundred steps that average describes the current weights. After 20 steps (a
@@ -17,22 +17,14 @@ import itertools
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from distributed import all_reduce_sum, min_over_ranks
 
 
 def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     """BatchNorm1d/2d/3d and SyncBatchNorm layers that keep running statistics."""
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-
-
-def agreed_count(count: int, device: torch.device) -> int:
-    """The smallest `count` over the ranks, so that every rank runs as many forwards (SyncBatchNorm's forward is
-    a collective: a rank with one more would wait forever)."""
-    value = torch.tensor([count], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return int(value.item())
 
 
 @torch.no_grad()
@@ -53,7 +45,7 @@ def recompute(
     if not layers:
         return 0
     device = layers[0].running_mean.device
-    count = agreed_count(count, device)
+    count = min_over_ranks(count, device)  # SyncBatchNorm's forward is a collective: a rank with one more would hang
     if count < 1:
         return 0
     saved = [(m, m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
@@ -79,14 +71,15 @@ def recompute(
         raise ValueError(f"precise BN: {used} input batches where {count} were needed")
     for m, _, _, _, tracked in saved:  # it counts training steps; the recomputation was not one
         m.num_batches_tracked.copy_(tracked)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        stats = torch.cat([torch.cat([m.running_mean.float(), m.running_var.float()]) for m in layers])
-        dist.all_reduce(stats)
-        stats /= dist.get_world_size()
-        offset = 0
-        for m in layers:
-            n = m.running_mean.numel()
-            m.running_mean.copy_(stats[offset : offset + n])
-            m.running_var.copy_(stats[offset + n : offset + 2 * n])
-            offset += 2 * n
+    ones = torch.ones(1, device=device)  # its sum counts the ranks
+    stats = all_reduce_sum(
+        torch.cat([t for m in layers for t in (m.running_mean.float(), m.running_var.float())] + [ones])
+    )
+    stats /= stats[-1].clone()
+    offset = 0
+    for m in layers:
+        n = m.running_mean.numel()
+        m.running_mean.copy_(stats[offset : offset + n])
+        m.running_var.copy_(stats[offset + n : offset + 2 * n])
+        offset += 2 * n
     return used

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: batch sizes {bad} do not divide by --nproc {args.nproc}", file=sys.stderr)
         return 2
     seeds = args.seeds or [None]
-    cells = []  # (label, batch, name, flags, epochs)
+    cells = []  # (label, batch, seed, name, flags, epochs)
     for label, flags in variants(args):
         for batch in sorted(args.batch_sizes):
             for seed in seeds:  # a mistake in any cell's flags, before the first cell starts and writes
@@ -253,15 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                 except config.UserError as error:
                     print(f"error: cell {name}: {error}", file=sys.stderr)
                     return 2
-                cells.append((label, batch, name, full, cfg.epochs))
+                cells.append((label, batch, seed, name, full, cfg.epochs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     runs: dict[tuple[str, int], list[dict]] = {}
     run_dirs = []
-    for label, batch, name, flags, epochs in cells:
+    for label, batch, seed, name, flags, epochs in cells:
         run_dir = run_cell(args, name, flags, epochs)
-        if name.endswith(f"-s{seeds[0]}") or seeds == [None]:
+        if seed == seeds[0]:
             run_dirs.append(run_dir)  # the curves figure: the first seed of each cell
         runs.setdefault((label, batch), []).append(summarise(run_dir))
     results: dict[str, list[dict]] = {}
