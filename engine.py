@@ -274,12 +274,14 @@ def raise_if_nonfinite(t: Training, check_weights: bool = False) -> None:
 
 
 @torch.no_grad()
-def recompute_bn_stats(t: Training, loader, samples: int, micro_batch: int, world_size: int) -> int:
-    """--precise-bn SAMPLES: BatchNorm statistics from about `samples` training samples in all (whole micro-batches,
-    split over the ranks; all the loader has when fewer), with the current weights, averaged over the ranks
-    (precise_bn.py). Returns the micro-batches used per rank."""
+def recompute_bn_stats(t: Training, loader, steps: list, samples: int, micro_batch: int, world_size: int) -> int:
+    """--precise-bn SAMPLES: BatchNorm statistics from about `samples` training samples in all (whole micro-batches
+    of the epoch's `steps`, from its first, also after a resume; split over the ranks; all the epoch has when
+    fewer), with the current weights, averaged over the ranks (precise_bn.py). Returns the micro-batches used per
+    rank."""
     if samples < 1:
         return 0
+    loader.batch_sampler.start(steps)
     batches = min(-(-samples // (micro_batch * world_size)), len(loader))
     inputs = (t.to_device(x, y)[0] for x, y in loader)
     return precise_bn.recompute(t.raw_model, inputs, batches, t.precision.autocast)

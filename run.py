@@ -191,8 +191,7 @@ def train(args, task, model, sum_names, plan, dist, datasets, state) -> int:
             log.info("preempted at epoch %d, step %d: last.pt written; continue with --resume auto", epoch,
                      t.global_step)  # fmt: skip
             return PREEMPTED
-        train_loader.batch_sampler.start(steps)  # --precise-bn: this epoch's micro-batches, also after a resume
-        engine.recompute_bn_stats(t, train_loader, args.precise_bn, plan.micro_batch, dist.world_size)
+        engine.recompute_bn_stats(t, train_loader, steps, args.precise_bn, plan.micro_batch, dist.world_size)
         row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | engine.evaluate(t, val_loader)
         monitored = row[args.monitor]  # reduced across ranks: every rank takes the same decisions
         t.schedule.epoch_end(monitored)

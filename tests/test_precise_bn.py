@@ -98,9 +98,11 @@ def test_two_ranks_average_equals_one_process_over_all_their_batches():
     torch.testing.assert_close(buffers[4], var2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("first_step", [0, 9])
 @pytest.mark.parametrize(("samples", "world_size", "expected"), [(200, 1, 7), (32, 1, 1), (65, 2, 2), (10**6, 1, 10)])
-def test_samples_become_whole_micro_batches_per_rank(samples, world_size, expected):
-    """ceil(samples / (micro-batch x ranks)), capped by the epoch's micro-batches (10 of 32 here)."""
+def test_samples_become_whole_micro_batches_per_rank(samples, world_size, expected, first_step):
+    """ceil(samples / (micro-batch x ranks)), capped by the epoch's micro-batches (10 of 32 here), counted from the
+    epoch's first micro-batch also when training left the loader at a later one (`first_step`: a resumed epoch)."""
     import tiny
 
     from plan import Step
@@ -111,7 +113,12 @@ def test_samples_become_whole_micro_batches_per_rank(samples, world_size, expect
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
     import engine
 
-    assert engine.recompute_bn_stats(t, tiny.loader_for(train, steps), samples, 32, world_size) == expected
+    assert (
+        engine.recompute_bn_stats(
+            t, tiny.loader_for(train, steps, first_step=first_step), steps, samples, 32, world_size
+        )
+        == expected
+    )
 
 
 def _net_cnn():

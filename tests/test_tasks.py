@@ -262,13 +262,7 @@ class Shaped(WrongOutput):
         return {"hits": (outputs.argmax(1) == targets).sum().reshape(1)}
 
 
-class Unnamed(WrongOutput):
-    def model(self):
-        return nn.Linear(5, 3)
-
-    def loss(self, outputs, targets):
-        return F.cross_entropy(outputs, targets)
-
+class Unnamed(Shaped):
     def metric_sums(self, outputs, targets):
         return {"hits": (outputs.argmax(1) == targets).sum()}
 """
