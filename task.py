@@ -45,7 +45,8 @@ class Task:
                        help="imagefolder: crop size (default 224); digits, mnist-idx, mnist, fashion-mnist: resize "
                             "every image to SIZE x SIZE once at load (default: as stored)")  # fmt: skip
         g.add_argument("--model", default="toy",
-                       help="toy (a small CNN for any input size) or a torchvision classifier name")  # fmt: skip
+                       help="toy (a small CNN for any input size), toy3 (three blocks, learns more per step) "
+                            "or a torchvision classifier name")  # fmt: skip
         g.add_argument("--init", choices=("default", "he"), default="default",
                        help="he: Kaiming-normal init of conv and linear weights")  # fmt: skip
         g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")

@@ -31,10 +31,22 @@ def test_seed_worker_seeds_numpy_from_torch():
     assert np.random.rand() == a
 
 
-@pytest.mark.parametrize("channels, size", [(1, 8), (1, 28), (3, 32), (3, 224)])
-def test_toy_model_fits_any_input(channels, size):
-    model = models.build("toy", channels, 7)
+@pytest.mark.parametrize("name", ["toy", "toy3"])
+@pytest.mark.parametrize("channels, size", [(1, 1), (1, 7), (1, 8), (1, 14), (1, 28), (3, 32), (3, 224)])
+def test_toy_model_fits_any_input(name, channels, size):
+    model = models.build(name, channels, 7)
     assert model(torch.randn(2, channels, size, size)).shape == (2, 7)
+
+
+def test_toy3_runs_its_blocks_at_full_half_and_quarter_resolution():
+    model = models.build("toy3", 1, 10)
+    convs = [m for m in model.features if isinstance(m, torch.nn.Conv2d)]
+    shapes = []
+    hooks = [c.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape[1:]))) for c in convs]
+    model(torch.randn(2, 1, 14, 14))
+    for h in hooks:
+        h.remove()
+    assert shapes == [(32, 14, 14), (64, 7, 7), (128, 4, 4)]  # docs/large-batch.md describes toy3 so
 
 
 def test_torchvision_model_by_name_with_grey_input():
