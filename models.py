@@ -78,7 +78,7 @@ def check_name(name: str) -> None:
 
     if name not in tv.list_models(module=tv):
         raise UserError(
-            f"--model {name!r} is unknown: use toy, toy3 or a torchvision classifier such as resnet18, resnet50"
+            f"--model {name!r} is unknown: use {', '.join(TOYS)} or a torchvision classifier such as resnet18, resnet50"
         )
 
 
