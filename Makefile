@@ -1,5 +1,6 @@
-# ddp-tricks: `make run` trains (DDP, one process per GPU, or 2 on CPU), `make test` runs the suite; both set
-# themselves up first. `make gpu-check` checks a GPU machine with the Python it already has, installing nothing.
+# ddp-tricks: `make run` trains (DDP, one process per GPU, or 2 on CPU), `make test` runs the suite (`make test-fast`
+# without the slow multi-process tests); all set themselves up first. `make gpu-check` checks a GPU machine with the
+# Python it already has, installing nothing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 NPROC ?=
 ARGS ?=
 
-.PHONY: install-all run test lint format bench gpu-check clean
+.PHONY: install-all run test test-fast lint format bench gpu-check clean
 
 install-all: $(STAMP)
 
@@ -33,6 +34,10 @@ run: install-all
 
 test: install-all
 	$(PY) -m pytest
+
+# The edit-test loop: everything but the slow multi-process tests (marked `slow`).
+test-fast: install-all
+	$(PY) -m pytest -m "not slow"
 
 lint: install-all
 	$(VENV)/bin/ruff check .

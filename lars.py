@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from optimizer_wrapper import WrappedOptimizer
-from schedulers import PolynomialWarmup  # noqa: F401  (the original LARS project imported it from here)
+from ddp_tricks.schedules.curves import PolynomialWarmup  # the original LARS project imported it from here
+from ddp_tricks.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["LARS", "LARSWrapper", "create_optimizer_lars", "PolynomialWarmup", "trust_ratio"]
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from optimizer_wrapper import WrappedOptimizer
+from ddp_tricks.wrapped_optimizer import WrappedOptimizer
 
 
 class Lookahead(WrappedOptimizer):

@@ -14,6 +14,7 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
     better = {"acc": "max"}      every reported metric besides the loss, and whether higher or lower is better
     monitor = "loss"             the validation metric that picks best.pt and drives early stopping and
                                  ReduceLROnPlateau (`--monitor NAME` chooses another reported one)
+    shown_as = {"acc": ("top-1 accuracy", "%")}   optional: how sweeps and figures name a metric, and its unit
 
 `python run.py --task path/to/file.py:ClassName` trains a task from another file; examples/ has two.
 Heavy imports (torch, torchvision) sit inside the methods so that `run.py --help` answers at once.
@@ -30,6 +31,7 @@ class Task:
 
     better = {"acc": "max"}
     monitor = "loss"
+    shown_as = {"acc": ("top-1 accuracy", "%")}  # how sweeps and figures name the metric, and its unit
 
     @staticmethod
     def add_arguments(parser) -> None:
@@ -52,7 +54,7 @@ class Task:
         g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
 
     def __init__(self, args):
-        from config import UserError
+        from ddp_tricks import UserError
 
         if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
             raise UserError("--dataset imagefolder needs --train-dir and --val-dir (one sub-folder per class)")
@@ -62,33 +64,33 @@ class Task:
             raise UserError(f"--image-size must be a positive integer, got {args.image_size}")
         if args.image_size is not None and args.dataset == "cifar10":
             raise UserError("--image-size does not apply to --dataset cifar10 (its 32x32 crops); leave it out")
-        import models
+        from ddp_tricks import models
 
         models.check_name(args.model)
         self.args = args
 
     def datasets(self):
-        import image_data
+        from ddp_tricks.data import images
 
         a = self.args
         if a.dataset == "digits":
-            train, val = image_data.digits()
+            train, val = images.digits()
         elif a.dataset == "mnist-idx":
-            train, val = image_data.mnist_idx(a.data_root)
+            train, val = images.mnist_idx(a.data_root)
         elif a.dataset in ("mnist", "fashion-mnist"):
-            train, val = image_data.mnist_like(a.dataset, a.data_root, a.download)
+            train, val = images.mnist_like(a.dataset, a.data_root, a.download)
         elif a.dataset == "cifar10":
-            train, val = image_data.cifar10(a.data_root, a.download)
+            train, val = images.cifar10(a.data_root, a.download)
         else:
-            train, val = image_data.image_folders(a.train_dir, a.val_dir, a.image_size or 224)
+            train, val = images.image_folders(a.train_dir, a.val_dir, a.image_size or 224)
         if a.image_size and a.dataset in ("digits", "mnist-idx", "mnist", "fashion-mnist"):
-            train, val = image_data.resized(train, a.image_size), image_data.resized(val, a.image_size)
+            train, val = images.resized(train, a.image_size), images.resized(val, a.image_size)
         self.in_channels = train[0][0].shape[0]
         self.num_classes = count_classes(train, val)
         return train, val
 
     def model(self):
-        import models
+        from ddp_tricks import models
 
         return models.build(self.args.model, self.in_channels, self.num_classes, self.args.init)
 

@@ -22,15 +22,18 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import config  # noqa: E402
-import data  # noqa: E402
-import image_data  # noqa: E402
-import models  # noqa: E402
-import plan  # noqa: E402
-import schedulers  # noqa: E402
-from engine import Training, train_one_epoch  # noqa: E402
+from ddp_tricks import cli as config  # noqa: E402
+from ddp_tricks import (
+    models,  # noqa: E402
+    plan,  # noqa: E402
+)
+from ddp_tricks.data import images as image_data  # noqa: E402
+from ddp_tricks.data import loaders as data  # noqa: E402
+from ddp_tricks.schedules import schedule as schedulers  # noqa: E402
+from ddp_tricks.training.loop import train_one_epoch  # noqa: E402
+from ddp_tricks.training.precision import DTYPES, Precision  # noqa: E402
+from ddp_tricks.training.state import Training  # noqa: E402
 from lars import LARS  # noqa: E402
-from precision import DTYPES, Precision  # noqa: E402
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:

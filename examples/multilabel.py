@@ -27,15 +27,15 @@ class DigitAttributes:
 
     def __init__(self, args):
         if args.hidden < 1:
-            from config import UserError
+            from ddp_tricks import UserError
 
             raise UserError(f"--hidden must be a positive number of units, got {args.hidden}")
         self.hidden = args.hidden
 
     def datasets(self):
-        import image_data
+        from ddp_tricks.data import images
 
-        train, val = image_data.digits()  # the built-in task's split and standardisation
+        train, val = images.digits()  # the built-in task's split and standardisation
         for dataset in (train, val):
             digits = dataset.targets
             dataset.targets = torch.stack([torch.isin(digits, torch.tensor(d)) for d in LABELS.values()], 1).float()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data import InMemoryDataset
+from ddp_tricks import InMemoryDataset
 
 VAL_FRACTION, SPLIT_SEED = 0.2, 0
 
@@ -38,7 +38,7 @@ class Diabetes:
 
     def __init__(self, args):
         if args.hidden < 1:
-            from config import UserError
+            from ddp_tricks import UserError
 
             raise UserError(f"--hidden must be a positive number of units, got {args.hidden}")
         self.hidden = args.hidden

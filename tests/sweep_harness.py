@@ -18,7 +18,8 @@ def load_sweep():
 def recording_sweep(monkeypatch):
     """(the sweep module, the list its cells' commands are appended to): no cell runs, no figure is drawn."""
     sweep, commands = load_sweep(), []
-    monkeypatch.setattr(sweep, "summarise", lambda run_dir: {})
+    monkeypatch.setattr(sweep, "summarise", lambda run_dir, metric: {})
+    monkeypatch.setattr(sweep.run_folder, "read_config", lambda run_dir: {})
     monkeypatch.setattr(sweep, "over_seeds", lambda runs: {})
     monkeypatch.setattr(sweep, "write_results", lambda *a: None)
     monkeypatch.setattr(sweep.plots, "accuracy_vs_batch", lambda *a: None)

@@ -10,14 +10,14 @@ import torch
 from multiproc import REPO, run_ranks, torchrun
 from torch import nn
 
-import batch_trace
-import data
-import engine
-import image_data
 import run
-import schedulers
-import trace_api
-from plan import Plan, lr_factor
+from ddp_tricks.data import images as image_data
+from ddp_tricks.data import loaders as data
+from ddp_tricks.plan import Plan, lr_factor
+from ddp_tricks.schedules import schedule as schedulers
+from ddp_tricks.traces import batch_trace
+from ddp_tricks.traces import original_api as trace_api
+from ddp_tricks.training import loop as engine
 
 
 def test_trace_files_lists_and_ints(tmp_path):
@@ -90,7 +90,7 @@ def _traced_run(rank, world_size, trace, rule="none", lr=1.0, schedule=None, ada
                       clip_grad_norm=clip)  # fmt: skip
     history = []
 
-    def record(done, sums):
+    def record(t):
         history.append([p.detach().clone() for p in model.parameters()])
         return False
 
@@ -118,6 +118,7 @@ def assert_each_step_matches_one_process(results, steps):
                 assert (ours - truth).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_each_step_uses_the_exact_mean_gradient_of_its_global_batch(world_size):
     results = run_ranks(_trace_on_ranks, world_size)
@@ -130,6 +131,7 @@ def _clipped_trace_on_ranks(rank, world_size):
     return _traced_run(rank, world_size, TRACE, lr=1.0, clip=0.05)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_a_traced_step_clips_the_reduced_gradient(world_size):
     results = run_ranks(_clipped_trace_on_ranks, world_size)
@@ -199,12 +201,14 @@ def _adascale_on_ranks(rank, world_size):
     return gains, t.schedule.per_step.last_epoch
 
 
+@pytest.mark.slow
 def test_adascale_runs_on_two_ranks_with_the_same_gain_and_scale_invariant_progress():
     (gains0, progress0), (gains1, progress1) = run_ranks(_adascale_on_ranks, 2)
     assert gains0 == gains1 and gains0[0] > 1.0 and gains0[1] == pytest.approx(1.0)
     assert progress0 == pytest.approx(sum(gains0))  # the schedule advanced by r per step
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
     trace = str(REPO / "examples" / "traces" / "doubling.csv")
@@ -240,6 +244,7 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
     assert not math.isnan(float(rows("full")[-1]["val_loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_traced_run_with_fp16_and_clipping_resumes_mid_epoch_bit_identically(tmp_path):
     import os
@@ -315,6 +320,7 @@ def _original_loop(rank, world_size, rule="none", stop_after=None, resume=None):
     return history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_original_api_gives_exact_gradients_with_placeholders(world_size):
     results = run_ranks(_original_loop, world_size)

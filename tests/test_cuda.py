@@ -304,11 +304,11 @@ def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
     raises (`set_sync_debug_mode("error")`); the logging interval (1000) is never reached, so none is expected."""
     import tiny
 
-    import data
-    import image_data
-    import plan
-    from engine import train_one_epoch
-    from precision import Precision
+    from ddp_tricks import plan
+    from ddp_tricks.data import images as image_data
+    from ddp_tricks.data import loaders as data
+    from ddp_tricks.training.loop import train_one_epoch
+    from ddp_tricks.training.precision import Precision
 
     device = torch.device("cuda")
     train_set, _ = image_data.digits()
@@ -323,7 +323,8 @@ def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
     loader.batch_sampler.start(steps)
     seen = []
 
-    def after_step(done, current_sums):
+    def after_step(t):
+        done = t.step_in_epoch
         seen.append(done)
         torch.cuda.set_sync_debug_mode("error" if 2 <= done < 11 else 0)
         return False

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-import data
-import image_data
-from config import UserError
+from ddp_tricks import UserError
+from ddp_tricks.data import images as image_data
+from ddp_tricks.data import loaders as data
 
 
 def test_digits_split_is_fixed_and_disjoint():
@@ -61,7 +61,7 @@ def test_missing_mnist_names_the_path_and_the_fix(tmp_path):
 
 
 def test_the_plan_covers_every_sample_once_per_epoch_in_micro_batches_and_steps():
-    import plan
+    from ddp_tricks import plan
 
     p = plan.make(num_train=103, world_size=3, micro_batch=4, accum_steps=3, epochs=1, seed=7, base_lr=0.1,
                   lr_scaling="keep", base_batch=36, warmup_epochs=0)  # fmt: skip

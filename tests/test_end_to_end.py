@@ -15,6 +15,7 @@ def _metrics(run_dir, name="metrics.csv"):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_two_ranks_writes_a_complete_run_folder(tmp_path):
     result = torchrun(["--epochs", "2", "-n", "e2e", "--runs-dir", str(tmp_path), "--no-progress"])
@@ -49,6 +50,7 @@ def test_torchrun_two_ranks_writes_a_complete_run_folder(tmp_path):
     assert "epoch 2:" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_command_twice_gives_identical_metrics(tmp_path):
     for name in ("a", "b"):
@@ -67,6 +69,7 @@ def test_same_command_twice_gives_identical_metrics(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_legacy_launcher_passes_local_rank_flag(tmp_path):
     result = legacy_launch(
@@ -83,6 +86,7 @@ def test_legacy_launcher_passes_local_rank_flag(tmp_path):
     assert json.loads((tmp_path / "legacy" / "config.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_eval_only_gives_the_same_numbers_at_any_world_size(tmp_path):
     one = python_run(["--eval-only", "-n", "w1", "--runs-dir", str(tmp_path)])
@@ -99,6 +103,7 @@ def test_eval_only_gives_the_same_numbers_at_any_world_size(tmp_path):
     assert not (tmp_path / "w1" / "metrics.csv").exists() and not (tmp_path / "w1" / "config.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bad_flag_exits_2_on_every_rank_printed_once(tmp_path):
     result = torchrun(["--epochs", "0", "--runs-dir", str(tmp_path)])

@@ -6,10 +6,10 @@ import torch
 from multiproc import run_ranks
 from torch import nn
 
-import data
-import image_data
-import models
-from engine import evaluate
+from ddp_tricks import models
+from ddp_tricks.data import images as image_data
+from ddp_tricks.data import loaders as data
+from ddp_tricks.training.loop import evaluate
 
 
 def _model():
@@ -30,6 +30,7 @@ def _evaluate_on_ranks(rank, world_size, n_val):
     return evaluate(t, loader)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_distributed_eval_equals_single_process(world_size):
     n_val = 359  # divisible by neither 2 nor 3

@@ -183,6 +183,7 @@ def _ddp_lookahead(rank, world_size):
     return [p.detach().clone() for p in model.parameters()], [s.clone() for s in opt.slow]
 
 
+@pytest.mark.slow
 def test_lookahead_under_ddp_keeps_ranks_identical():
     (params0, slow0), (params1, slow1) = run_ranks(_ddp_lookahead, 2)
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))

@@ -13,11 +13,11 @@ import torch
 from multiproc import REPO
 from sweep_harness import load_sweep, recording_sweep
 
-import batch_trace
-import checkpoint
-import config
 import run
-import trace_api
+from ddp_tricks import cli as config
+from ddp_tricks.storage import checkpoint
+from ddp_tricks.traces import batch_trace
+from ddp_tricks.traces import original_api as trace_api
 
 
 @pytest.mark.parametrize("flag", ["-l", "--base-lr", "--learning-rate", "--learning_rate", "--lr"])
@@ -77,7 +77,10 @@ def test_flags_that_act_are_accepted(argv):
 
 
 def test_config_does_not_import_torch():
-    code = "import sys, config; config.parse(['--epochs', '2', '-t', 'cosine']); print('torch' in sys.modules)"
+    code = (
+        "import sys; from ddp_tricks import cli as config; config.parse(['--epochs', '2', '-t', 'cosine']); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
@@ -249,7 +252,7 @@ def test_help_answers_before_torch_is_imported():
                             text=True, timeout=60)  # fmt: skip
     assert result.returncode == 0 and "--monitor-metric" in result.stdout and "--dataset" in result.stdout
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
-    assert "torch" not in imported and "config" in imported
+    assert "torch" not in imported and "ddp_tricks.cli" in imported
 
 
 def test_a_run_continued_with_more_epochs_schedules_over_its_new_length(tmp_path):
@@ -263,6 +266,7 @@ def test_a_run_continued_with_more_epochs_schedules_over_its_new_length(tmp_path
     assert lrs[1:] == pytest.approx(expected, abs=1e-12) and lrs[1] > 0  # not the 1-epoch run's finished decay
 
 
+@pytest.mark.slow
 def test_a_compiled_run_saves_plain_weights_that_resume(tmp_path):
     flags = ["-n", "c", "--runs-dir", str(tmp_path), "--no-progress", "--compile", "-b", "256"]
     assert run.main([*flags, "-e", "1"]) == 0

@@ -8,9 +8,9 @@ import torch
 from multiproc import run_ranks
 from torch import nn
 
-import image_data
-import precise_bn
 import run
+from ddp_tricks.data import images as image_data
+from ddp_tricks.training import precise_bn
 
 
 def _net():
@@ -85,6 +85,7 @@ def _on_ranks(rank, world_size):
     return used, [b.clone() for b in net.buffers()]
 
 
+@pytest.mark.slow
 def test_two_ranks_average_equals_one_process_over_all_their_batches():
     results = run_ranks(_on_ranks, 2, timeout=120)
     assert [used for used, _ in results] == [3, 3]
@@ -105,13 +106,13 @@ def test_samples_become_whole_micro_batches_per_rank(samples, world_size, expect
     epoch's first micro-batch also when training left the loader at a later one (`first_step`: a resumed epoch)."""
     import tiny
 
-    from plan import Step
+    from ddp_tricks.plan import Step
 
     train, _ = image_data.digits()
     steps = [Step([list(range(i * 32, (i + 1) * 32))], 32, 32, 1.0) for i in range(10)]
     model = _net_cnn()
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    import engine
+    from ddp_tricks.training import loop as engine
 
     assert (
         engine.recompute_bn_stats(
@@ -122,7 +123,7 @@ def test_samples_become_whole_micro_batches_per_rank(samples, world_size, expect
 
 
 def _net_cnn():
-    import models
+    from ddp_tricks import models
 
     torch.manual_seed(0)
     return models.build("toy", 1, 10)
@@ -145,6 +146,7 @@ def test_run_py_saves_the_statistics_of_the_whole_training_set(tmp_path):
     assert json.loads((tmp_path / "r" / "config.json").read_text())["precise_bn"] == 1
 
 
+@pytest.mark.slow
 def test_precise_bn_brings_evaluation_to_the_trained_network(tmp_path):
     """Few large steps: without it the validation loss sits far above what the same weights score in training
     mode; with it, evaluation describes the trained network (the cause measured in docs/large-batch.md)."""

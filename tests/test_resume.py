@@ -13,7 +13,7 @@ import pytest
 import torch
 from multiproc import REPO, free_port, run_ranks, torchrun
 
-import checkpoint
+from ddp_tricks.storage import checkpoint
 
 TIMING = {"epoch_seconds", "samples_per_second"}
 # Small batches: ~180 steps per epoch, so a signal lands while training.
@@ -52,6 +52,7 @@ def _wait_for(predicate, timeout=120):
     raise AssertionError("timed out waiting")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_resume_after_an_epoch_is_bit_identical(uninterrupted, tmp_path):
     # A run stopped after epoch 1 (its constant-after-warmup schedule does not depend on --epochs), resumed.
@@ -80,6 +81,7 @@ def _pids(run_dir):
     return json.loads((run_dir / "workers.json").read_text())["pids"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_path):
     run_dir = tmp_path / "pre"
@@ -97,6 +99,7 @@ def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_
     assert_same_run(uninterrupted, run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_mid_epoch_checkpoint_resume_skips_exactly_the_consumed_batches(uninterrupted, tmp_path):
     run_dir = tmp_path / "mid"
@@ -113,6 +116,7 @@ def test_mid_epoch_checkpoint_resume_skips_exactly_the_consumed_batches(uninterr
     assert_same_run(uninterrupted, run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_torchrun_restarts_after_kill_9_and_finishes_like_the_uninterrupted_run(uninterrupted, tmp_path):
     run_dir = tmp_path / "elastic"
@@ -140,6 +144,7 @@ def test_torchrun_restarts_after_kill_9_and_finishes_like_the_uninterrupted_run(
     assert_same_run(uninterrupted, run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_nonfinite_loss_stops_every_rank_and_keeps_the_last_good_weights(tmp_path):
     result = torchrun(
@@ -172,9 +177,9 @@ def _skip_nonfinite(rank, world_size):
     import tiny
     from torch import nn
 
-    import data
-    import plan
-    from engine import train_one_epoch
+    from ddp_tricks import plan
+    from ddp_tricks.data import loaders as data
+    from ddp_tricks.training.loop import train_one_epoch
 
     inputs = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     inputs[37, 0, 3, 3] = float("inf")  # one bad sample: whichever rank draws it, its step is skipped everywhere
@@ -190,6 +195,7 @@ def _skip_nonfinite(rank, world_size):
     return row["skipped_steps"], t.global_step, t.schedule.per_step.last_epoch, [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_skip_mode_skips_on_every_rank_and_counts():
     (skipped0, steps0, sched0, w0), (skipped1, steps1, sched1, w1) = run_ranks(_skip_nonfinite, 2)
     assert skipped0 == skipped1 == 1 and steps0 == steps1 == 4  # 64 samples / (2 ranks x 8)
@@ -211,12 +217,14 @@ def _one_rank_dies(rank, world_size):
     return "no error", time.time() - start
 
 
+@pytest.mark.slow
 def test_a_dead_rank_makes_the_others_fail_not_hang():
     # --dist-timeout sets this bound in run.py; here 10 s.
     ((outcome, seconds),) = run_ranks(_one_rank_dies, 2, reporting=[0], pg_timeout=10, timeout=60)
     assert outcome != "no error" and seconds < 30
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killed_worker_without_restarts_ends_the_job(tmp_path):
     run_dir = tmp_path / "dead"
@@ -227,6 +235,7 @@ def test_killed_worker_without_restarts_ends_the_job(tmp_path):
     assert proc.returncode != 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(tmp_path):
     args = ["--epochs", "1", "--no-progress", "--runs-dir", str(tmp_path)]
@@ -266,7 +275,7 @@ def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(tmp_path):
 WRITER = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-import checkpoint
+from ddp_tricks.storage import checkpoint
 big = {{"model": {{"w": torch.randn(4_000_000)}}, "epoch": 0}}
 n = 0
 while True:

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-import plan
+from ddp_tricks import plan
+from ddp_tricks.schedules.curves import PolynomialWarmup, WarmupDecay
 from lars import PolynomialWarmup as PolynomialWarmupFromLars
-from schedulers import PolynomialWarmup, WarmupDecay
 
 
 def optimizer(lr=1.0):
@@ -156,8 +156,11 @@ def _build(opt, steps_per_epoch, **kw):
 
     cfg = _cfg(**kw)
     total = cfg.epochs * steps_per_epoch
-    the_plan = plan.Plan(steps_per_epoch, 1, 1, 1, 0, opt.param_groups[0]["lr"], 1, steps_per_epoch, total,
-                         min(round(cfg.warmup_epochs * steps_per_epoch), total))  # fmt: skip
+    warmup = min(round(cfg.warmup_epochs * steps_per_epoch), total)
+    step_size = max(1, round(cfg.step_epochs * steps_per_epoch))
+    lr = opt.param_groups[0]["lr"]
+    the_plan = plan.Plan(steps_per_epoch, 1, 1, 1, 0, lr, 1, steps_per_epoch, total, warmup, lr_power=cfg.lr_power,
+                         step_size=step_size)  # fmt: skip
     return run.make_schedule(cfg, the_plan, opt, "min")
 
 

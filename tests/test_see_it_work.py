@@ -9,14 +9,15 @@ import pytest
 import torch
 from multiproc import REPO, python_run
 
-import image_data
-from config import UserError
+from ddp_tricks import UserError
+from ddp_tricks.data import images as image_data
 
 
 def _png(path):
     return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sweep_on_a_2x2_grid_writes_both_tables_and_figures_and_resumes(tmp_path):
     cmd = [
@@ -76,6 +77,7 @@ def test_plot_runs_refuses_a_folder_without_metrics(tmp_path):
     assert result.returncode == 2 and "no metrics.csv" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plot_lr_draws_the_schedule_training_then_follows(tmp_path):
     flags = [
@@ -124,3 +126,34 @@ def test_idx_files_are_read_and_split(tmp_path):
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(header([50]) + labels.numpy().tobytes()[:20])
     with pytest.raises(UserError, match="truncated"):
         image_data.read_idx(tmp_path / "t10k-labels-idx1-ubyte")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sweep_and_plots_follow_the_task_s_monitored_metric(tmp_path):
+    """A fork that reports `mae` (examples/regression.py) sweeps and plots its own metric, lower is better."""
+    cmd = [sys.executable, str(REPO / "tools" / "sweep.py"), "--batch-sizes", "16", "64", "--optimizers", "adamw",
+           "--epochs", "1", "--out", str(tmp_path), "--", "--task", "examples/regression.py:Diabetes"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "results.md").read_text()
+    assert "| Batch | Base LR | mae, final | vs best batch-16 | best epoch | time to train | runs |" in table
+    with open(tmp_path / "cells" / "adamw-b16" / "metrics.csv", newline="") as f:
+        mae = float(list(csv.DictReader(f))[-1]["val_mae"])
+    assert f"| 16 | 0.0007071 | {mae:.2f} | +0.00 |" in table  # as metrics.csv has it, in its units (LR: sqrt rule)
+    assert _png(tmp_path / "accuracy_vs_batch.png") and _png(tmp_path / "curves.png")
+    plot = subprocess.run([sys.executable, str(REPO / "tools" / "plot_runs.py"), str(tmp_path / "cells" / "adamw-b16"),
+                           str(tmp_path / "cells" / "adamw-b64"), "-o", str(tmp_path / "two.png")], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert plot.returncode == 0 and _png(tmp_path / "two.png"), plot.stderr
+    wrong = subprocess.run([sys.executable, str(REPO / "tools" / "plot_runs.py"), str(tmp_path / "cells" / "adamw-b16"),
+                            "--metric", "acc", "-o", str(tmp_path / "x.png")], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert wrong.returncode == 2 and "reports no metric 'acc'" in wrong.stderr
+
+
+def test_no_tool_names_a_metric_of_the_built_in_task():
+    """Sweeps, plots and the BatchNorm check read the run's metrics from its config.json, not `val_acc`."""
+    for path in [*REPO.glob("tools/*.py"), *REPO.glob("*.py"), *REPO.glob("ddp_tricks/**/*.py")]:
+        if path.name != "task.py":
+            assert "val_acc" not in path.read_text(), path

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import models
 from customized_function import EarlyStopping, same_seeds, seed_worker
+from ddp_tricks import models
 
 
 def test_same_seeds_repeats_python_numpy_and_torch():

@@ -15,8 +15,8 @@ import pytest
 import torch
 from multiproc import REPO, python_run, torchrun
 
-import config
 import run
+from ddp_tricks import cli as config
 
 TIMING = {"epoch_seconds", "samples_per_second"}
 EXAMPLES = {
@@ -76,6 +76,7 @@ def _launch(args):
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("example", list(EXAMPLES))
 def test_example_task_under_torchrun_exact_eval_accumulation_and_resume(example, tmp_path):
@@ -140,6 +141,7 @@ PLATEAU = {  # settings under which each example overfits or stalls within 30 ep
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("example", list(PLATEAU))
 def test_plateau_and_early_stopping_follow_the_task_s_monitored_metric(example, tmp_path):
@@ -159,6 +161,7 @@ def test_plateau_and_early_stopping_follow_the_task_s_monitored_metric(example, 
     assert f"best {monitored}" in result.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_regression_reaches_ridge_r2_on_the_same_split(tmp_path):
     from sklearn.datasets import load_diabetes
@@ -183,7 +186,7 @@ def test_regression_reaches_ridge_r2_on_the_same_split(tmp_path):
 FORK = """
 import torch
 
-import image_data
+from ddp_tricks.data import images as image_data
 from task import Task, count_classes
 
 
@@ -223,7 +226,7 @@ BAD_TASK = """
 import torch
 import torch.nn.functional as F
 from torch import nn
-from data import InMemoryDataset
+from ddp_tricks import InMemoryDataset
 
 
 class NoLoss:
@@ -292,6 +295,7 @@ def test_a_mistake_in_a_task_is_one_line_exit_2_and_leaves_nothing(spec, extra, 
     assert not runs.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_task_mistake_under_torchrun_is_printed_once_and_every_rank_exits_2(tmp_path):
     result = torchrun(["--monitor-metric", "val_f1", "--runs-dir", str(tmp_path / "runs")])

@@ -9,10 +9,11 @@ import torch
 from multiproc import free_port, legacy_launch, python_run, torchrun
 from torch import nn
 
-import image_data
-import plan
-from engine import optimizer_step, train_one_epoch
-from schedulers import Schedule, WarmupDecay
+from ddp_tricks import plan
+from ddp_tricks.data import images as image_data
+from ddp_tricks.schedules.curves import WarmupDecay
+from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.training.loop import optimizer_step, train_one_epoch
 
 
 def _rows(run_dir):
@@ -56,6 +57,7 @@ def _accumulate(rank, world_size, accum_steps, batch_size):
     return [p.detach().clone() for p in model.parameters()], t.global_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_accumulating_4_batches_of_b_equals_one_batch_of_4b(world_size):
     from multiproc import run_ranks
@@ -69,6 +71,7 @@ def test_accumulating_4_batches_of_b_equals_one_batch_of_4b(world_size):
             assert (a - b).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_early_stop_ends_every_rank_after_the_same_epoch(tmp_path):
     # Ranks evaluate different shards (different local losses); the decision uses the reduced loss.
@@ -92,6 +95,7 @@ def test_early_stop_ends_every_rank_after_the_same_epoch(tmp_path):
     assert "epoch 3:" in result.stdout and "(early stop)" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_cpu_end_to_end(amp, tmp_path):
@@ -104,6 +108,7 @@ def test_mixed_precision_trains_on_cpu_end_to_end(amp, tmp_path):
         assert skipped == [0, 0]  # no scaler, nothing to skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_lr_scaling_is_printed_and_stored(tmp_path):
     result = torchrun(
@@ -131,6 +136,7 @@ def test_lr_scaling_is_printed_and_stored(tmp_path):
     assert "global batch 128, learning rate 0.4" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_original_template_command_line_runs_unchanged(tmp_path):
     result = legacy_launch(
@@ -145,6 +151,7 @@ def test_original_template_command_line_runs_unchanged(tmp_path):
     assert len(_rows(tmp_path / "runs" / "DDP_warmup")) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_original_lars_command_line_runs_unchanged(tmp_path):
     args = [

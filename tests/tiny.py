@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import data
-from engine import Training
-from precision import Precision
-from schedulers import Schedule, WarmupDecay
+from ddp_tricks.data import loaders as data
+from ddp_tricks.schedules.curves import WarmupDecay
+from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.training.precision import Precision
+from ddp_tricks.training.state import Training
 
 CPU = torch.device("cpu")
 

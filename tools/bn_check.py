@@ -1,6 +1,7 @@
 """Is it BatchNorm? Evaluate one checkpoint twice, with the same weights: once with the running statistics it
 saved, once with statistics recomputed from training samples (precise_bn.py, what --precise-bn does). A large
-gap means the running statistics, not the weights, make the validation loss.
+gap means the running statistics, not the weights, make the validation loss. It shows the loss and the run's
+headline metric (the monitored one, or the task's first reported metric where the run monitors its loss).
 
     python tools/bn_check.py runs/NAME/last.pt -- --config recipes/mnist-large-batch-lars.toml
 
@@ -17,22 +18,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
-import config  # noqa: E402
-import precise_bn  # noqa: E402
+from ddp_tricks import cli  # noqa: E402
+from ddp_tricks.storage import (
+    checkpoint,  # noqa: E402
+    run_folder,  # noqa: E402
+)
+from ddp_tricks.training import precise_bn, seam  # noqa: E402
 
 
-def evaluate(task, model, dataset, batch: int = 1000) -> tuple[float, float]:
-    """(mean loss, accuracy %) over the dataset, in eval mode; the accuracy from the task's `acc` sum."""
+def evaluate(task, model, dataset, batch: int = 1000) -> dict[str, float]:
+    """The task's loss and metrics over the dataset (`val_loss`, `val_<metric>`), in eval mode, from its sums."""
     model.eval()
-    loss_sum, acc_sum = 0.0, 0.0
+    names, totals = None, None
     with torch.no_grad():
         for start in range(0, len(dataset), batch):
             inputs, targets = dataset[start : start + batch]
             outputs = model(inputs)
-            loss_sum += float(task.loss(outputs, targets)) * len(targets)
-            acc_sum += float(task.metric_sums(outputs, targets)["acc"])
-    return loss_sum / len(dataset), 100 * acc_sum / len(dataset)
+            sums = task.metric_sums(outputs, targets) if hasattr(task, "metric_sums") else {}
+            names = list(sums)
+            row = [float(task.loss(outputs, targets)) * len(targets), *(float(v) for v in sums.values())]
+            totals = row if totals is None else [a + b for a, b in zip(totals, row)]
+    return seam.report(task, names, "val", totals, float(len(dataset)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,26 +50,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=8000, help="training samples for the recomputed statistics")
     args = parser.parse_args(argv)
     try:
-        run_args, task_class = config.parse(flags)
+        run_args, task_class = cli.parse(flags)
         task = task_class(run_args)
         train, val = task.datasets()
         model = task.model()
         checkpoint.restore_model(model, checkpoint.load(Path(args.checkpoint)), args.checkpoint)
-    except config.UserError as error:
+    except cli.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    saved_loss, saved_acc = evaluate(task, model, val)
-    train_loss, train_acc = evaluate(task, model, train)
+    metric = run_folder.headline({"monitor": run_args.monitor, "task_metrics": run_folder.task_metrics(task)})
+    column, scale, unit = metric["column"], metric["scale"], f" {metric['unit']}" if metric["unit"] else ""
+
+    def show(row: dict) -> str:
+        return f"loss {row['val_loss']:.4f}, {metric['title']} {scale * row[column]:.2f}{unit}"
+
+    saved, saved_train = evaluate(task, model, val), evaluate(task, model, train)
     limit = min(args.samples, len(train))
     batches = [train[i : min(i + 1000, limit)][0] for i in range(0, limit, 1000)]
     precise_bn.recompute(model, iter(batches), len(batches))
-    new_loss, new_acc = evaluate(task, model, val)
-    new_train_loss, _ = evaluate(task, model, train)
+    recomputed, recomputed_train = evaluate(task, model, val), evaluate(task, model, train)
     print(f"{args.checkpoint}: the same weights, evaluated with")
-    print(f"  the saved running statistics:      val loss {saved_loss:.4f}, val acc {saved_acc:.2f} %"
-          f" (train loss {train_loss:.4f}, acc {train_acc:.2f} %)")  # fmt: skip
-    print(f"  statistics of {sum(len(b) for b in batches)} training samples: val loss {new_loss:.4f}, "
-          f"val acc {new_acc:.2f} % (train loss {new_train_loss:.4f})")  # fmt: skip
+    print(f"  the saved running statistics:      val {show(saved)} (train {show(saved_train)})")
+    print(f"  statistics of {sum(len(b) for b in batches)} training samples: val {show(recomputed)} "
+          f"(train {show(recomputed_train)})")  # fmt: skip
     return 0
 
 

@@ -1,6 +1,9 @@
-"""Overlay several runs (accuracy, loss, LR per epoch) in one figure.
+"""Overlay several runs (their headline validation metric, loss and LR per epoch) in one figure.
 
-python tools/plot_runs.py runs/a runs/b ... [-o runs/compare.png]
+python tools/plot_runs.py runs/a runs/b ... [-o runs/compare.png] [--metric NAME]
+
+The metric is the runs' monitored one (the task's first reported metric where they monitor the loss; see
+config.json), or --metric NAME.
 """
 
 from __future__ import annotations
@@ -11,20 +14,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import plots  # noqa: E402
+from ddp_tricks import plots  # noqa: E402
+from ddp_tricks.storage import run_folder  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", help="run folders, each with a metrics.csv")
     parser.add_argument("-o", "--output", default="runs/compare.png", help="the figure to write")
+    parser.add_argument("--metric", default=None, help="the validation metric to draw (default: the monitored one)")
     args = parser.parse_args(argv)
     missing = [d for d in args.run_dirs if not (Path(d) / "metrics.csv").is_file()]
     if missing:
         print(f"error: no metrics.csv in {', '.join(missing)}: give run folders written by run.py", file=sys.stderr)
         return 2
+    try:
+        metric = run_folder.headline(run_folder.read_config(args.run_dirs[0]), args.metric)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}: give run folders written by run.py (with config.json)", file=sys.stderr)
+        return 2
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    print(plots.overlay(args.run_dirs, args.output))
+    print(plots.overlay(args.run_dirs, args.output, metric))
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import re
 import statistics
 import subprocess
@@ -29,8 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import config  # noqa: E402
-import plots  # noqa: E402
+from ddp_tricks import (
+    cli,  # noqa: E402
+    plots,  # noqa: E402
+)
+from ddp_tricks.storage import run_folder  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2}
@@ -129,15 +131,18 @@ def run_cell(args, name: str, flags: list[str], epochs: int) -> Path:
     return run_dir
 
 
-def summarise(run_dir: Path) -> dict:
+def summarise(run_dir: Path, metric: dict) -> dict:
+    """One cell's numbers: its global batch and LR, the headline metric (`run_folder.headline`) after the last
+    epoch and at its best epoch, in the metric's unit, and its time."""
     rows = plots.read_metrics(run_dir)
-    config = json.loads((run_dir / "config.json").read_text())
+    config = run_folder.read_config(run_dir)
     wall = run_dir / "sweep_wall_seconds.txt"
+    values = [metric["scale"] * r[metric["column"]] for r in rows]
     return {
         "batch": config["global_batch_size"],
         "lr": config["effective_lr"],
-        "top1": 100 * rows[-1]["val_acc"],
-        "best": 100 * max(r["val_acc"] for r in rows),
+        "value": values[-1],
+        "best": max(values) if metric["better"] == "max" else min(values),
         "seconds": sum(r["epoch_seconds"] for r in rows),
         "wall": float(wall.read_text()) if wall.exists() else 0.0,
     }
@@ -145,49 +150,55 @@ def summarise(run_dir: Path) -> dict:
 
 def over_seeds(cells: list[dict]) -> dict:
     """One table cell from a batch size's runs (one per seed): mean, sample standard deviation, min and max of
-    the final top-1; mean of the best epochs; mean time to train."""
-    top1 = [c["top1"] for c in cells]
+    the final value; mean of the best epochs; mean time to train."""
+    values = [c["value"] for c in cells]
     return {
         "batch": cells[0]["batch"],
         "lr": cells[0]["lr"],
         "runs": len(cells),
-        "top1": statistics.fmean(top1),
-        "top1_std": statistics.stdev(top1) if len(top1) > 1 else 0.0,
-        "top1_min": min(top1),
-        "top1_max": max(top1),
+        "value": statistics.fmean(values),
+        "value_std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "value_min": min(values),
+        "value_max": max(values),
         "best": statistics.fmean(c["best"] for c in cells),
         "seconds": statistics.fmean(c["seconds"] for c in cells),
         "wall": sum(c["wall"] for c in cells),
     }
 
 
-def write_results(out: Path, results: dict[str, list[dict]], command: str) -> None:
-    """results: label -> one over_seeds() dict per batch size, smallest batch first."""
+def write_results(out: Path, results: dict[str, list[dict]], command: str, metric: dict) -> None:
+    """results: label -> one over_seeds() dict per batch size, smallest batch first; `metric`: what they hold
+    (`run_folder.headline`)."""
     smallest = min(c["batch"] for cells in results.values() for c in cells)
-    reference = max(c["top1"] for cells in results.values() for c in cells if c["batch"] == smallest)
+    at_smallest = [c["value"] for cells in results.values() for c in cells if c["batch"] == smallest]
+    reference = max(at_smallest) if metric["better"] == "max" else min(at_smallest)
     wall = sum(c["wall"] for cells in results.values() for c in cells)
+    unit = f" {metric['unit']}" if metric["unit"] else ""
+    gap = " pt" if metric["unit"] == "%" else ""
     lines = ["# Batch-size sweep", "", f"Regenerate: `{command}`", ""]
     for label, cells in results.items():
         lines += [
             f"## {label}",
             "",
-            f"| Batch | Base LR | top-1 accuracy, final | vs best batch-{smallest} | best epoch | time to train "
+            f"| Batch | Base LR | {metric['title']}, final | vs best batch-{smallest} | best epoch | time to train "
             "| runs |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for c in cells:
-            spread = f" ± {c['top1_std']:.2f} ({c['top1_min']:.2f}–{c['top1_max']:.2f})" if c["runs"] > 1 else ""
+            spread = ""
+            if c["runs"] > 1:
+                spread = f" ± {c['value_std']:.2f} ({c['value_min']:.2f}–{c['value_max']:.2f})"
             lines.append(
-                f"| {c['batch']} | {c['lr']:.4g} | {c['top1']:.2f} %{spread} | {c['top1'] - reference:+.2f} pt | "
-                f"{c['best']:.2f} % | {c['seconds']:.1f} s | {c['runs']} |"
+                f"| {c['batch']} | {c['lr']:.4g} | {c['value']:.2f}{unit}{spread} | {c['value'] - reference:+.2f}{gap} "
+                f"| {c['best']:.2f}{unit} | {c['seconds']:.1f} s | {c['runs']} |"
             )
         lines.append("")
     lines += [
-        "Base LR: the LR after scaling for that batch. top-1, final: validation accuracy after the last epoch, the "
-        "mean over the runs (one per seed) ± their sample standard deviation (min–max). vs best batch-"
-        f"{smallest}: the difference from the best mean at the smallest batch ({reference:.2f} %). best epoch: "
-        "the mean of each run's best epoch. Time to train: the mean sum of the epochs' training times, without "
-        "start-up or evaluation.",
+        f"Base LR: the LR after scaling for that batch. {metric['title']}, final: the validation value after the "
+        "last epoch, the mean over the runs (one per seed) ± their sample standard deviation (min–max). vs best "
+        f"batch-{smallest}: the difference from the best mean at the smallest batch ({reference:.2f}{unit}). best "
+        "epoch: the mean of each run's best epoch. Time to train: the mean sum of the epochs' training times, "
+        "without start-up or evaluation.",
         "",
         f"Wall time of the cells, start-up and evaluation included: {wall / 60:.1f} min"
         + (
@@ -224,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes per cell")
     parser.add_argument("--out", required=True, help="the sweep folder")
     parser.add_argument("--config", default=None, metavar="FILE.toml", help="run.py flags for every cell")
+    parser.add_argument("--metric", default=None, metavar="NAME",
+                        help="the validation metric of the tables (default: the runs' monitored metric, or the "
+                             "task's first reported one where they monitor the loss)")  # fmt: skip
     parser.add_argument("--recipes", nargs="+", default=None, metavar="FILE.toml",
                         help="one table line per file, which says everything but the batch and the seed")  # fmt: skip
     args = parser.parse_args(argv)
@@ -249,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:  # a mistake in any cell's flags, before the first cell starts and writes
                 name, full = cell_name(label, batch, seed), cell_flags(args, label, flags, batch, seed, extra)
                 try:
-                    cfg, _ = config.parse(full)
-                except config.UserError as error:
+                    cfg, _ = cli.parse(full)
+                except cli.UserError as error:
                     print(f"error: cell {name}: {error}", file=sys.stderr)
                     return 2
                 cells.append((label, batch, seed, name, full, cfg.epochs))
@@ -258,19 +272,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     runs: dict[tuple[str, int], list[dict]] = {}
-    run_dirs = []
+    run_dirs, metric = [], None
     for label, batch, seed, name, flags, epochs in cells:
         run_dir = run_cell(args, name, flags, epochs)
         if seed == seeds[0]:
             run_dirs.append(run_dir)  # the curves figure: the first seed of each cell
-        runs.setdefault((label, batch), []).append(summarise(run_dir))
+        if metric is None:
+            try:
+                metric = run_folder.headline(run_folder.read_config(run_dir), args.metric)
+            except ValueError as error:
+                print(f"error: --metric: {error}", file=sys.stderr)
+                return 2
+        runs.setdefault((label, batch), []).append(summarise(run_dir, metric))
     results: dict[str, list[dict]] = {}
     for (label, _), cell_runs in runs.items():
         results.setdefault(label, []).append(over_seeds(cell_runs))
     command = "python tools/sweep.py " + " ".join(argv + (["--", *extra] if extra else []))
-    write_results(out, results, command)
-    plots.accuracy_vs_batch(results, out / "accuracy_vs_batch.png")
-    plots.overlay(run_dirs, out / "curves.png")
+    write_results(out, results, command, metric)
+    plots.accuracy_vs_batch(results, out / "accuracy_vs_batch.png", metric)
+    plots.overlay(run_dirs, out / "curves.png", metric)
     print(f"results: {out / 'results.md'}, {out / 'accuracy_vs_batch.png'}, {out / 'curves.png'}")
     return 0
 

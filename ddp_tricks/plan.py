@@ -11,20 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DistributedSampler
 
-import batch_trace
-from config import UserError
-
-
-def lr_factor(rule: str, batch: float, ref_batch: float) -> float:
-    """The one LR-scaling rule, for --lr-scaling and --batch-lr-rule alike: x1 (keep, none), x batch / ref
-    (linear), x sqrt(batch / ref) (sqrt, root)."""
-    if rule in ("keep", "none", "adascale"):
-        return 1.0
-    if rule == "linear":
-        return batch / ref_batch
-    if rule in ("sqrt", "root"):
-        return math.sqrt(batch / ref_batch)
-    raise ValueError(f"unknown LR scaling rule {rule!r}")
+from ddp_tricks.errors import UserError
+from ddp_tricks.traces import batch_trace
+from ddp_tricks.traces.batch_trace import lr_factor
 
 
 @dataclass(frozen=True)
@@ -54,6 +43,8 @@ class Plan:
     trace: tuple[int, ...] | None = None
     batch_lr_rule: str = "none"
     repeat_last: bool = False
+    lr_power: float = 1.0  # poly decay's power: --lr-power, else 2 with LARS and 1 otherwise
+    step_size: int = 1  # step decay: optimizer steps between decays (--step-epochs in steps)
 
     @property
     def traced(self) -> bool:
@@ -74,9 +65,16 @@ class Plan:
 
     def summary(self) -> dict:
         """The derived numbers, for config.json."""
-        return {"world_size": self.world_size, "global_batch_size": self.global_batch, "effective_lr": self.lr,
-                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                "train_samples": self.num_train}  # fmt: skip
+        return {
+            "world_size": self.world_size,
+            "global_batch_size": self.global_batch,
+            "effective_lr": self.lr,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
+            "train_samples": self.num_train,
+            "lr_power": self.lr_power,
+            "step_size": self.step_size,
+        }
 
     def epoch(self, epoch: int, rank: int, first_trace_step: int = 0) -> list[Step]:
         """The steps of `epoch` on `rank`; a traced epoch starts at trace row `first_trace_step`."""
@@ -106,11 +104,25 @@ class Plan:
 
 
 def make(
-    *, num_train: int, world_size: int, micro_batch: int, accum_steps: int, epochs: int, seed: int,
-    base_lr: float, lr_scaling: str, base_batch: int, warmup_epochs: float,
-    trace: list[int] | None = None, batch_lr_rule: str = "none", ref_batch: int | None = None,
+    *,
+    num_train: int,
+    world_size: int,
+    micro_batch: int,
+    accum_steps: int,
+    epochs: int,
+    seed: int,
+    base_lr: float,
+    lr_scaling: str,
+    base_batch: int,
+    warmup_epochs: float,
+    trace: list[int] | None = None,
+    batch_lr_rule: str = "none",
+    ref_batch: int | None = None,
     trace_end: str = "error",
-) -> Plan:  # fmt: skip
+    optimizer: str = "sgd",
+    lr_power: float | None = None,
+    step_epochs: float = 1.0,
+) -> Plan:
     """The plan for these numbers; an impossible combination is a UserError that names the fix."""
     if trace is None:
         global_batch = micro_batch * world_size * accum_steps
@@ -123,8 +135,6 @@ def make(
         steps_per_epoch = math.ceil(math.ceil(per_rank / micro_batch) / accum_steps)
         total_steps = epochs * steps_per_epoch
     else:
-        if accum_steps > 1:
-            raise UserError("--batch-trace sets the accumulation of every step itself: drop --accum-steps")
         batch_trace.check_trace(trace, micro_batch)
         total_steps = batch_trace.steps_needed(num_train, trace, epochs, seed)
         if total_steps == 0:
@@ -150,4 +160,6 @@ def make(
         trace=tuple(trace) if trace is not None else None,
         batch_lr_rule=batch_lr_rule,
         repeat_last=trace_end == "repeat-last",
+        lr_power=lr_power if lr_power is not None else (2.0 if optimizer == "lars" else 1.0),
+        step_size=max(1, round(step_epochs * steps_per_epoch)),
     )

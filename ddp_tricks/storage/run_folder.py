@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from config import UserError
+from ddp_tricks.errors import UserError
 
 log = logging.getLogger("ddp_tricks")
 RUN_FILES = ("metrics.csv", "last.pt", "best.pt", "config.json")
@@ -122,6 +122,36 @@ def describe(row: dict) -> str:
         if values:
             parts.append(f"{prefix} " + " ".join(values))
     return " | ".join(parts)
+
+
+def task_metrics(task) -> dict[str, dict]:
+    """The task's reported metrics besides the loss, for the tools that read a run folder (sweeps, plots): which way
+    each improves, and how tables and figures show it (the task's optional `shown_as`: {name: (title, unit)})."""
+    shown = getattr(task, "shown_as", {})
+    return {
+        name: {"better": mode, "title": shown.get(name, (name, ""))[0], "unit": shown.get(name, (name, ""))[1]}
+        for name, mode in getattr(task, "better", {}).items()
+    }
+
+
+def read_config(run_dir: str | Path) -> dict:
+    """A run's config.json."""
+    return json.loads((Path(run_dir) / "config.json").read_text())
+
+
+def headline(config: dict, metric: str | None = None) -> dict:
+    """The validation metric a table or figure of a run shows: `metric` (a name the task reports), else the run's
+    monitored one, or the task's first reported metric where the run monitors its loss (so a classification sweep
+    shows accuracy). Returns {"name", "column" (metrics.csv's), "title", "unit", "better", "scale"}: a unit "%"
+    shows a fraction times 100."""
+    metrics = {"loss": {"better": "min", "title": "loss", "unit": ""}} | config.get("task_metrics", {})
+    monitored = config.get("monitor", "val_loss")[len("val_") :]
+    name = metric or (next(iter(config.get("task_metrics", {})), "loss") if monitored == "loss" else monitored)
+    name = name[len("val_") :] if name.startswith("val_") else name
+    if name not in metrics:
+        raise ValueError(f"the run reports no metric {name!r}; it reports {', '.join(metrics)}")
+    shown = metrics[name]
+    return {"name": name, "column": f"val_{name}", **shown, "scale": 100.0 if shown["unit"] == "%" else 1.0}
 
 
 def task_info(task) -> dict:

@@ -1,5 +1,5 @@
-"""Samplers and loaders: each epoch's training micro-batches as the plan lists them (a batch sampler), the
-exact evaluation split (every validation sample on exactly one rank, none padded in twice), in-memory data.
+"""Samplers and loaders: each epoch's training micro-batches as the plan lists them (a batch sampler), the exact
+evaluation split (every validation sample on exactly one rank, none padded in twice), and their seeds.
 """
 
 from __future__ import annotations
@@ -7,28 +7,9 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from config import UserError
 from customized_function import seed_worker
-
-
-class InMemoryDataset(Dataset):
-    """Samples held as one tensor: a batch is one indexing operation, with no per-sample Python."""
-
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
-        if len(inputs) != len(targets):
-            raise ValueError(f"{len(inputs)} inputs but {len(targets)} targets")
-        self.inputs = inputs
-        self.targets = targets
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[index], self.targets[index]
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.as_tensor(indices)
-        return self.inputs[index], self.targets[index]
+from ddp_tricks.data.in_memory import InMemoryDataset
+from ddp_tricks.errors import UserError
 
 
 def _batch_as_is(batch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from config import UserError
+from ddp_tricks.errors import UserError
 
 
 def _conv_block(in_channels: int, out_channels: int) -> list[nn.Module]:

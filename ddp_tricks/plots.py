@@ -68,21 +68,26 @@ def lr_schedule(lrs: list[float], steps_per_epoch: int, run_dir: str | Path, tit
     return Path(path)
 
 
-def overlay(run_dirs: list[str | Path], path: str | Path) -> Path:
-    """Accuracy, loss and LR of several runs on one figure, one colour per run."""
-    fig, (ax_acc, ax_loss, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
+def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict) -> Path:
+    """One validation metric (`metric`: storage.run_folder.headline), the loss and the LR of several runs on one
+    figure, one colour per run."""
+    fig, (ax_metric, ax_loss, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
+    name, scale, unit = metric["name"], metric["scale"], f" ({metric['unit']})" if metric["unit"] else ""
     for run_dir in run_dirs:
         rows = read_metrics(run_dir)
         epochs = [r["epoch"] for r in rows]
         label = Path(run_dir).name
-        (line,) = ax_acc.plot(epochs, [100 * r["val_acc"] for r in rows], "o-", label=f"{label} (val)")
-        ax_acc.plot(epochs, [100 * r["train_acc"] for r in rows], "--", color=line.get_color(), alpha=0.6)
+        (line,) = ax_metric.plot(epochs, [scale * r[f"val_{name}"] for r in rows], "o-", label=f"{label} (val)")
+        if f"train_{name}" in rows[0]:
+            train = [scale * r[f"train_{name}"] for r in rows]
+            ax_metric.plot(epochs, train, "--", color=line.get_color(), alpha=0.6)
         ax_loss.plot(epochs, [r["val_loss"] for r in rows], "o-", color=line.get_color(), label=label)
         ax_lr.plot(epochs, [r["lr"] for r in rows], "o-", color=line.get_color(), label=label)
-    ax_acc.set(title="Accuracy (solid: validation, dashed: train)", xlabel="epoch", ylabel="top-1 accuracy (%)")
-    ax_loss.set(title="Validation loss", xlabel="epoch", ylabel="cross-entropy")
+    ax_metric.set(title=f"{metric['title']} (solid: validation, dashed: train)", xlabel="epoch",
+                  ylabel=f"{metric['title']}{unit}")  # fmt: skip
+    ax_loss.set(title="Validation loss", xlabel="epoch", ylabel="loss")
     ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="learning rate")
-    for ax in (ax_acc, ax_loss, ax_lr):
+    for ax in (ax_metric, ax_loss, ax_lr):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -91,20 +96,22 @@ def overlay(run_dirs: list[str | Path], path: str | Path) -> Path:
     return Path(path)
 
 
-def accuracy_vs_batch(results: dict[str, list[dict]], path: str | Path) -> Path:
-    """Final top-1 accuracy against global batch size (log scale), one line per optimizer; with several runs per
-    cell (seeds), the mean with a bar from the lowest to the highest run."""
+def accuracy_vs_batch(results: dict[str, list[dict]], path: str | Path, metric: dict) -> Path:
+    """The final value of a validation metric (`metric`: storage.run_folder.headline) against global batch size
+    (log scale), one line per optimizer; with several runs per cell (seeds), the mean with a bar from the lowest
+    to the highest run."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for optimizer, cells in results.items():
-        x, y = [c["batch"] for c in cells], [c["top1"] for c in cells]
-        if all("top1_min" in c for c in cells):
-            bars = [[c["top1"] - c["top1_min"] for c in cells], [c["top1_max"] - c["top1"] for c in cells]]
+        x, y = [c["batch"] for c in cells], [c["value"] for c in cells]
+        if all("value_min" in c for c in cells):
+            bars = [[c["value"] - c["value_min"] for c in cells], [c["value_max"] - c["value"] for c in cells]]
             ax.errorbar(x, y, yerr=bars, fmt="o-", capsize=4, label=optimizer)
         else:
             ax.plot(x, y, "o-", label=optimizer)
     ax.set_xscale("log", base=2)
-    ax.set(title="Validation accuracy against batch size", xlabel="global batch size (samples, log scale)",
-           ylabel="final top-1 accuracy (%): mean, min-max")  # fmt: skip
+    unit = f" ({metric['unit']})" if metric["unit"] else ""
+    ax.set(title=f"Validation {metric['title']} against batch size", xlabel="global batch size (samples, log scale)",
+           ylabel=f"final {metric['title']}{unit}: mean, min-max")  # fmt: skip
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()

@@ -17,7 +17,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import UserError
+from ddp_tricks.errors import UserError
+
+
+def lr_factor(rule: str, batch: float, ref_batch: float) -> float:
+    """The one LR-scaling rule, for --lr-scaling and --batch-lr-rule alike: x1 (keep, none), x batch / ref
+    (linear), x sqrt(batch / ref) (sqrt, root)."""
+    if rule in ("keep", "none", "adascale"):
+        return 1.0
+    if rule == "linear":
+        return batch / ref_batch
+    if rule in ("sqrt", "root"):
+        return math.sqrt(batch / ref_batch)
+    raise ValueError(f"unknown LR scaling rule {rule!r}")
 
 
 class Trace(list):

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from config import UserError
-from data import InMemoryDataset
+from ddp_tricks.data.in_memory import InMemoryDataset
+from ddp_tricks.errors import UserError
 
 VAL_FRACTION = 0.2
 SPLIT_SEED = 0  # fixed, so every run and every world size sees the same split

@@ -2,7 +2,7 @@
 micro-batches of each trace step (a DataLoader `batch_sampler`), and `LinearRuleOptimizer` / `RootRuleOptimizer`
 / `AdaScaleOptimizer` wrap an optimizer whose `step()` runs after every backward and updates once per step.
 
-run.py does not use this file: its loop reads the same trace through plan.py. Both reduce with
+run.py does not use this file: its loop reads the same trace through ddp_tricks/plan.py. Both reduce with
 `batch_trace.reduce_gradients`, so a step here equals a step there.
 """
 
@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from batch_trace import AdaScale, check_trace, epoch_steps, load_trace, reduce_gradients
-from plan import lr_factor
+from ddp_tricks.traces.batch_trace import AdaScale, check_trace, epoch_steps, load_trace, lr_factor, reduce_gradients
 
 
 def _world() -> tuple[int, int]:

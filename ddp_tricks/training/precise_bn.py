@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from distributed import all_reduce_sum, min_over_ranks
+from ddp_tricks.distributed.collectives import all_reduce_sum, min_over_ranks
 
 
 def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:

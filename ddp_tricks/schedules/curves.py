@@ -1,5 +1,5 @@
-"""Learning-rate schedules that advance once per optimizer step: warmup, then constant / poly / cosine /
-step decay (`WarmupDecay`, `PolynomialWarmup`), or ReduceLROnPlateau once warmup is over; `build` composes them.
+"""Per-step learning-rate curves: `WarmupDecay` (warmup, then constant / poly / cosine / step decay) and the
+original LARS project's `PolynomialWarmup`, each a torch `LRScheduler` stepped once per optimizer step.
 """
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.lr_scheduler import LRScheduler
 
-DECAYS = ("constant", "poly", "cosine", "step")
+from ddp_tricks.schedules import DECAYS
 
 
 class WarmupDecay(LRScheduler):
@@ -120,93 +120,3 @@ class PolynomialWarmup(LRScheduler):
         return [self.lr_at(base, self.last_epoch) for base in self.base_lrs]
 
     _get_closed_form_lr = get_lr
-
-
-class Schedule:
-    """The run's schedule: `step()` after every optimizer step that was taken, `epoch_end(monitored)` after
-    each evaluation (the monitored metric, reduced across ranks). With a plateau, warmup owns the LR until it
-    ends and ReduceLROnPlateau after, so neither overwrites the other."""
-
-    def __init__(self, per_step: WarmupDecay | PolynomialWarmup, plateau: ReduceLROnPlateau | None = None):
-        self.per_step = per_step
-        self.plateau = plateau
-
-    @property
-    def warming_up(self) -> bool:
-        return self.per_step.last_epoch < self.per_step.warmup_steps
-
-    def step(self, progress: float = 1.0) -> None:
-        """One optimizer step taken; AdaScale advances the schedule by its gain r instead of 1."""
-        if self.plateau is None or self.warming_up:
-            self.per_step.last_epoch += progress - 1
-            self.per_step.step()
-
-    def epoch_end(self, monitored: float) -> None:
-        if self.plateau is not None and not self.warming_up:
-            self.plateau.step(monitored)
-
-    def state_dict(self) -> dict:
-        return {
-            "per_step": self.per_step.state_dict(),
-            "plateau": None if self.plateau is None else self.plateau.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Where the schedule stood (its step count, the plateau's best and patience counters); this run's own
-        settings stay, so a run continued with more --epochs decays over its new length. The LR is set from them,
-        except after warmup under a plateau, where the optimizer's restored LR (with its cuts) is the truth."""
-        saved = state["per_step"]
-        self.per_step.last_epoch = saved["last_epoch"]
-        self.per_step._step_count = saved.get("_step_count", self.per_step._step_count)
-        if self.plateau is not None and state.get("plateau"):
-            for key in ("best", "num_bad_epochs", "cooldown_counter", "last_epoch"):
-                setattr(self.plateau, key, state["plateau"][key])
-        if self.plateau is None or self.warming_up:
-            groups = self.per_step.optimizer.param_groups
-            for group, base in zip(groups, self.per_step.base_lrs):
-                group["lr"] = self.per_step.lr_at(base, self.per_step.last_epoch)
-            self.per_step._last_lr = [group["lr"] for group in groups]
-
-
-def lrs_over_run(make_schedule, base_lr: float, total_steps: int, factor_at=lambda step: 1.0) -> list[float]:
-    """The LR every step of a run uses: the schedule stepped on a throwaway optimizer, times `factor_at(step)`."""
-    import torch
-
-    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
-    schedule = make_schedule(probe)
-    lrs = []
-    for step in range(total_steps):
-        lrs.append(probe.param_groups[0]["lr"] * factor_at(step))
-        probe.step()
-        schedule.step()
-    return lrs
-
-
-def decay_kind(scheduler: str, warmup_type: str = "linear") -> str:
-    """`--warmup-type cosine` (the original template's) means cosine decay after warmup."""
-    if warmup_type == "cosine" and scheduler == "constant":
-        return "cosine"
-    return scheduler
-
-
-def build(
-    optimizer: Optimizer, *, total_steps: int, warmup_steps: int, kind: str = "constant", end_lr: float = 0.0,
-    power: float = 1.0, step_size: int = 1, gamma: float = 0.1, plateau_factor: float = 0.1,
-    plateau_patience: int = 2, plateau_mode: str = "min",
-) -> Schedule:  # fmt: skip
-    """The run's schedule, counted in optimizer steps: warmup, then `kind` (constant / poly / cosine / step) for
-    the rest of the run, or ReduceLROnPlateau on the monitored metric (`plateau_mode`: min or max)."""
-    per_step = WarmupDecay(
-        optimizer,
-        warmup_steps=warmup_steps,
-        decay_steps=total_steps - warmup_steps,
-        decay="constant" if kind == "plateau" else kind,
-        end_lr=end_lr,
-        power=power,
-        step_size=max(1, step_size),
-        gamma=gamma,
-    )
-    plateau = None
-    if kind == "plateau":
-        plateau = ReduceLROnPlateau(optimizer, mode=plateau_mode, factor=plateau_factor, patience=plateau_patience)
-    return Schedule(per_step, plateau)

@@ -1,0 +1,33 @@
+"""ddp-tricks' machinery, one module per concern; run.py tells the recipe, task.py what is trained.
+
+A task file imports what it needs from here, the one stable place: `from ddp_tricks import InMemoryDataset,
+UserError`. Importing this package does not import torch (so `run.py --help` answers at once).
+
+    cli/          the command line: flags by trick, --config files, --task loading, checks
+    plan.py       numbers derived once: global batch, LR, steps, each epoch's per-step plan
+    training/     THE loop and the exact evaluation, the training state, precision, precise BN
+    distributed/  launch detection, process group, DDP wrapping, reductions, preemption
+    data/         samplers and loaders, in-memory data, the built-in task's image readers
+    storage/      the run folder and checkpoints
+    schedules/    learning-rate schedules        optim/  the optimizer a run names
+    wrapped_optimizer.py   the base of LARSWrapper and Lookahead: an optimizer over another one
+    traces/       variable batch size from a trace, and the original trace API
+    models.py     the small CNNs and torchvision models      plots.py  figures of runs
+"""
+
+from __future__ import annotations
+
+from ddp_tricks import moved
+from ddp_tricks.errors import UserError
+
+moved.install()  # `import data` and the other old top-level modules fail with a line naming the new home
+
+__all__ = ["InMemoryDataset", "UserError"]
+
+
+def __getattr__(name: str):
+    if name == "InMemoryDataset":  # imported on first use: it needs torch
+        from ddp_tricks.data.in_memory import InMemoryDataset
+
+        return InMemoryDataset
+    raise AttributeError(f"module 'ddp_tricks' has no attribute {name!r}")

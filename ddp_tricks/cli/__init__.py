@@ -1,0 +1,84 @@
+"""The command line: `parse(argv)` loads the task the flags name (`--task`), adds its flags, reads `--config FILE`,
+checks everything, and returns the validated `argparse.Namespace` and the task class; a user mistake raises
+`UserError` (one sentence). No torch import here: `--help` and flag errors answer at once.
+
+    flags.py        the flags, by trick          config_file.py  --config FILE.toml
+    tasks.py        --task and the monitored metric          checks.py  values and combinations
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from ddp_tricks.cli import config_file
+from ddp_tricks.cli.checks import check, given_flags
+from ddp_tricks.cli.config_file import blame
+from ddp_tricks.cli.flags import Parser, build_parser
+from ddp_tricks.cli.tasks import DEFAULT_TASK, load_task, mode_of, monitored_metric
+from ddp_tricks.errors import UserError, report
+
+__all__ = ["parse", "answer_early", "build_parser", "blame", "load_task", "mode_of", "DEFAULT_TASK"]
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
+    """Parse and check the command line; returns (flags, task class). Raises UserError on any mistake.
+
+    With `--config FILE`, the file's flags come first, as if typed before the command line, which overrides them."""
+    config_file.remember(None, {})
+    argv = sys.argv[1:] if argv is None else list(argv)
+    early = Parser(add_help=False, allow_abbrev=False)
+    early.add_argument("--task", default=None)
+    early.add_argument("--config", dest="config_file", default=None)
+    first = early.parse_known_args(argv)[0]
+    path = first.config_file
+    table = config_file.read_config(path) if path else {}
+    if first.task is None and "task" in table:  # the task adds flags: the file may name it
+        if not isinstance(table["task"], str):
+            raise UserError(f"--config {path}, key 'task': write it as a string, task = \"FILE.py:NAME\"")
+        config_file.remember(path, {"--task": "task"})
+    task_spec = first.task or table.get("task") or DEFAULT_TASK
+    try:
+        task_class = load_task(task_spec)
+    except UserError as error:
+        raise blame(error) from None
+    parser = build_parser()
+    if hasattr(task_class, "add_arguments"):
+        task_class.add_arguments(parser)
+    if task_spec != DEFAULT_TASK:  # so that --dataset with another task is explained, not "did you mean"
+        builtin = argparse.ArgumentParser(add_help=False)
+        load_task(DEFAULT_TASK).add_arguments(builtin)
+        parser.builtin_task_flags = {o for a in builtin._actions for o in a.option_strings} - {
+            o for a in parser._actions for o in a.option_strings
+        }
+    file_argv, file_keys = config_file.config_argv(table, parser, path) if path else ([], {})
+    cfg = parser.parse_args(file_argv + argv)
+    if path:
+        typed = given_flags(parser, argv)
+        from_file = [action for action in parser._actions if action.dest in file_keys and action.dest not in typed]
+        config_file.remember(path, {option: file_keys[a.dest] for a in from_file for option in a.option_strings})
+    try:
+        check(cfg, parser, given_flags(parser, file_argv + argv))
+        cfg.monitor = monitored_metric(task_class, cfg.monitor)
+    except UserError as error:
+        raise blame(error) from None
+    if cfg.config_file is not None:
+        cfg.config_file = str(Path(cfg.config_file).resolve())
+    if cfg.name is None:
+        cfg.name = time.strftime("%Y%m%d-%H%M%S")
+    cfg.run_dir = str(Path(cfg.runs_dir) / cfg.name)
+    return cfg, task_class
+
+
+def answer_early(argv: list[str]) -> None:
+    """`run.py --help` and flag mistakes, answered before torch is imported: help exits 0 (argparse), a mistake
+    prints one line (on rank 0 only: every rank parses the same flags) and exits 2."""
+    try:
+        parse(argv)
+    except UserError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            report(str(error))
+        sys.exit(2)

@@ -1,0 +1,65 @@
+"""Which task a run trains: `--task FILE.py[:NAME]` loaded from its file, checked for the methods the loop calls,
+and the validation metric the run follows (`--monitor-metric`, or the task's own) with its direction.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ddp_tricks import moved
+from ddp_tricks.errors import UserError
+
+DEFAULT_TASK = "task.py:Task"
+TASK_NEEDS = ("datasets", "model", "loss")
+REPO = Path(__file__).resolve().parents[2]  # where run.py and task.py stand
+
+
+def load_task(spec: str) -> type:
+    """`path/to/file.py:ClassName` (ClassName defaults to Task); a relative path is looked up from the current
+    folder, then beside run.py. The class must have datasets(), model() and loss() (see task.py)."""
+    path_text, _, name = spec.partition(":")
+    name = name or "Task"
+    path = Path(path_text)
+    if not path.exists() and not path.is_absolute() and (REPO / path).exists():
+        path = REPO / path
+    if path.suffix != ".py" or not path.is_file():
+        raise UserError(f"--task {spec!r}: no Python file {path_text!r}; give --task path/to/file.py:ClassName")
+    module_spec = importlib.util.spec_from_file_location(f"task_{path.stem}_{abs(hash(str(path.resolve())))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)  # an error inside the user's file shows its traceback
+    except ModuleNotFoundError as error:
+        if error.name not in moved.NEW_HOMES:
+            raise
+        raise UserError(f"--task {spec!r}: {moved.message(error.name)}") from None
+    task_class = getattr(module, name, None)
+    if not isinstance(task_class, type):
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__)
+        raise UserError(
+            f"--task {spec!r}: {path_text} has no class {name!r} (it defines: {', '.join(found) or 'no classes'}); "
+            f"name one after the colon"
+        )
+    missing = [f"{m}()" for m in TASK_NEEDS if not callable(getattr(task_class, m, None))]
+    if missing:
+        raise UserError(
+            f"--task {spec!r}: {name} lacks {', '.join(missing)}; a task needs datasets(), model() and "
+            "loss(outputs, targets) (see task.py)"
+        )
+    return task_class
+
+
+def monitored_metric(task_class: type, flag: str | None) -> str:
+    """The validation metric the run follows, as `val_<name>`: --monitor (`mae` or `val_mae`) or the task's."""
+    names = ["loss", *getattr(task_class, "better", {})]
+    name = flag if flag is not None else getattr(task_class, "monitor", "loss")
+    bare = name[4:] if name.startswith("val_") else name
+    if bare not in names:
+        where = "--monitor-metric" if flag is not None else f"the task's monitor {name!r}"
+        raise UserError(f"{where} {name!r} is not a reported metric: use one of {', '.join(names)}")
+    return f"val_{bare}"
+
+
+def mode_of(task_class, monitor: str) -> str:
+    """'min' or 'max': which way the monitored metric improves."""
+    return "min" if monitor == "val_loss" else getattr(task_class, "better", {})[monitor[4:]]

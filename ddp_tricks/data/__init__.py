@@ -1,0 +1,2 @@
+"""Data: `in_memory` (a dataset held as one tensor), `loaders` (the plan's batch sampler, the exact evaluation
+split, loaders and their seeds) and `images` (the built-in task's readers)."""

@@ -1,0 +1,113 @@
+"""How we were launched (torchrun, torch.distributed.launch, plain python, several nodes), the device and the
+backend, and the process group's set-up and tear-down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ddp_tricks.distributed import preemption
+from ddp_tricks.errors import UserError
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher told this process through its environment and argv; no process group yet."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1 or "RANK" in os.environ
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job, once the process group (if any) exists."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process without a process group
+    control_group: object | None = None  # a gloo group for CPU-side agreement (preemption)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+
+def detect(local_rank_flag: int | None = None) -> Launch:
+    """Rank, world size and local rank from torchrun's variables (or the legacy `--local-rank` flag)."""
+    env = os.environ
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    rank = int(env.get("RANK", "0"))
+    if "LOCAL_RANK" in env:
+        local_rank = int(env["LOCAL_RANK"])
+    elif local_rank_flag is not None:
+        local_rank = local_rank_flag
+    else:
+        local_rank = 0
+    return Launch(rank=rank, world_size=world_size, local_rank=local_rank)
+
+
+def choose_device(device_flag: str, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is there (CUDA_VISIBLE_DEVICES respected by torch), else cpu."""
+    if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(
+            f"local rank {local_rank} has no GPU: only {count} visible; "
+            "launch at most that many processes per node or check CUDA_VISIBLE_DEVICES",
+            rank_specific=True,
+        )
+    return torch.device("cuda", local_rank)
+
+
+def setup(launch: Launch, device_flag: str = "auto", backend_flag: str = "auto", timeout_s: float = 600) -> Dist:
+    """Pick the device, and join the process group when launched by torchrun or the legacy launcher."""
+    device = choose_device(device_flag, launch.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not launch.is_distributed:
+        return Dist(0, 1, 0, device, None)
+    backend = backend_flag if backend_flag != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun keeps one store across restarts; without a per-attempt prefix, a restarted rank can read the
+    # address that a killed rank of the previous attempt published, and gloo then waits on a dead port.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"ddp_tricks/attempt_{attempt}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if backend == "nccl" else None,
+    )
+    control_group = dist.new_group(backend="gloo")  # its own queue: agreement never waits behind DDP's traffic
+    return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
+
+
+def cleanup() -> None:
+    """Leave the process group; safe to call on every path, twice, or with no group at all.
+
+    An agreement still in flight is settled first: tearing a group down under pending work aborts the process.
+    """
+    preemption.close_all()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

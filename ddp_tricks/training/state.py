@@ -1,0 +1,236 @@
+"""The training state: the objects one optimizer step needs, the counters that outlive an epoch, the best value so
+far and early stopping, in one object whose `state_dict()` / `load_state_dict()` are what a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from customized_function import EarlyStopping
+from ddp_tricks.distributed.collectives import gather_from_ranks, gather_objects
+from ddp_tricks.errors import UserError
+from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.traces.batch_trace import TraceReduction
+from ddp_tricks.training.precision import Precision
+
+
+@dataclass
+class Best:
+    """The best value of the monitored validation metric so far, its epoch and that epoch's other metrics."""
+
+    metric: str  # e.g. "val_loss"
+    mode: str  # "min" or "max": which way it improves
+    value: float = math.nan
+    epoch: int = 0
+    val: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.value):
+            self.value = math.inf if self.mode == "min" else -math.inf
+
+    def update(self, epoch: int, row: dict) -> bool:
+        """Record an epoch's metrics row; True when its monitored value is a new best."""
+        value = row[self.metric]
+        if not (value < self.value if self.mode == "min" else value > self.value):
+            return False
+        self.value, self.epoch = value, epoch
+        self.val = {k: v for k, v in row.items() if k.startswith("val_")}
+        return True
+
+    def state_dict(self) -> dict:
+        return {"metric": self.metric, "value": self.value, "epoch": self.epoch, "val": dict(self.val)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.epoch, self.val = state["value"], state["epoch"], dict(state.get("val", {}))
+
+
+class NonFiniteLoss(Exception):
+    """The loss became NaN or infinite; raised on every rank together."""
+
+    def __init__(self, epoch: int, step: int, rank: int):
+        super().__init__(f"non-finite loss or weights at epoch {epoch}, found at step {step}, on rank {rank}")
+        self.epoch, self.step, self.rank = epoch, step, rank
+
+
+@dataclass
+class Training:
+    """Everything one optimizer step needs, and everything a checkpoint holds."""
+
+    model: nn.Module  # DDP-wrapped in a distributed run without a trace
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    task: object  # see task.py
+    sum_names: list[str]  # the task's metric_sums keys, in the order the sums vector holds them
+    precision: Precision
+    device: torch.device
+    clip_grad_norm: float = 0.0
+    channels_last: bool = False
+    on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
+    reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
+    best: Best | None = None  # the monitored metric's best so far (None: not followed)
+    early_stopping: EarlyStopping | None = None
+    rank: int = 0
+    world_size: int = 1
+    epoch: int = 0  # the epoch being trained (or last trained)
+    completed_epochs: int = 0
+    step_in_epoch: int = 0  # optimizer steps already taken in epoch completed_epochs + 1
+    global_step: int = 0  # optimizer steps taken or skipped, over the whole run
+    skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
+    epoch_sums: torch.Tensor | None = field(init=False, default=None)  # this rank's running [loss, *metric sums]
+    epoch_samples: int = field(init=False, default=0)  # this rank's samples in them
+    resume_sums: torch.Tensor | None = field(init=False, default=None)  # a checkpoint's, to continue its epoch
+    resume_rng: dict | None = field(init=False, default=None)  # this rank's RNG of a mid-epoch checkpoint
+    lr_log: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
+
+    @property
+    def raw_model(self) -> nn.Module:
+        """The model without torch.compile's and DDP's wrappers: what checkpoints hold and evaluation runs."""
+        model = getattr(self.model, "_orig_mod", self.model)
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    @property
+    def adascale(self):
+        """AdaScale's estimator, in a traced run with --batch-lr-rule adascale: the LR and the schedule's
+        progress are scaled by its gain r each step."""
+        return self.reduction.adascale if self.reduction is not None else None
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.early_stopping is not None and self.early_stopping.early_stop
+
+    def end_epoch(self, row: dict) -> bool:
+        """After an epoch's evaluation: the schedule, the best value and early stopping see the monitored metric
+        (reduced across ranks: every rank decides the same). True when it is a new best."""
+        monitored = row[self.best.metric]
+        self.schedule.epoch_end(monitored)
+        improved = self.best.update(self.epoch, row)
+        if self.early_stopping is not None:
+            self.early_stopping(monitored)
+        self.completed_epochs, self.step_in_epoch = self.epoch, 0
+        return improved
+
+    def raise_if_nonfinite(self, check_weights: bool = False) -> None:
+        """Stop every rank together when any rank's epoch loss has become non-finite (one small collective).
+
+        Called every `--log-interval` steps, at the end of the epoch, and (with `check_weights`) before every
+        checkpoint, where non-finite weights or buffers count too: a finite loss can still take a step to
+        infinite weights, and those must never replace the last good checkpoint.
+        """
+        if self.precision.skips_nonfinite or (self.on_nonfinite != "stop" and not check_weights):
+            return  # fp16: the GradScaler skips such steps itself
+        bad = None
+        if self.on_nonfinite == "stop" and self.epoch_sums is not None:
+            bad = ~torch.isfinite(self.epoch_sums[0])
+        if check_weights:
+            state = [v for v in self.raw_model.state_dict().values() if v.is_floating_point()]
+            weights_bad = ~torch.stack([v.isfinite().all() for v in state]).all()
+            bad = weights_bad if bad is None else bad | weights_bad
+        if bad is None:
+            return
+        flags = gather_from_ranks(bad.reshape(1).to(torch.float32)).flatten().tolist()
+        if any(flags):
+            raise NonFiniteLoss(self.epoch, self.global_step, flags.index(1.0))
+
+    def state_dict(self) -> dict:
+        """The whole training state, with every rank's RNG and (mid-epoch) running sums: a collective, called on
+        every rank. Tensors and plain containers only, so `torch.load(weights_only=True)` reads it back."""
+        rng = gather_objects(rng_state())
+        mid_epoch = self.step_in_epoch > 0 and self.epoch_sums is not None
+        sums = None
+        if mid_epoch:
+            count = torch.tensor([float(self.epoch_samples)], dtype=torch.float64, device=self.epoch_sums.device)
+            sums = gather_from_ranks(torch.cat([self.epoch_sums, count])).cpu()
+        adascale = self.adascale
+        return {
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_name": describe_optimizer(self.optimizer),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.precision.state_dict(),
+            "early_stopping": self.early_stopping.state_dict() if self.early_stopping is not None else None,
+            "adascale": adascale.state_dict() if adascale is not None else None,
+            "epoch": self.completed_epochs,
+            "step_in_epoch": self.step_in_epoch if mid_epoch else 0,  # optimizer steps taken in epoch `epoch + 1`
+            "epoch_sums": sums,  # each rank's running [loss, *metric sums, samples] of that epoch, mid-epoch only
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "best": self.best.state_dict(),
+            "rng": rng,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict, source: str) -> None:
+        """Everything but the model's weights (restored before wrapping, see checkpoint.restore_model). Where the
+        checkpoint followed another monitored metric, this run's best and early stopping start fresh."""
+        saved, ours = state.get("optimizer_name"), describe_optimizer(self.optimizer)
+        if saved != ours:
+            raise UserError(
+                f"checkpoint {source!r} was trained with {saved}, these flags build {ours}; "
+                "resume with the optimizer flags it was trained with"
+            )
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.schedule.load_state_dict(state["schedule"])
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise UserError(
+                f"checkpoint {source!r} holds an optimizer state that does not fit these flags "
+                f"({str(error).splitlines()[0][:80]}); resume with the flags it was trained with"
+            ) from None
+        self.precision.load_state_dict(state.get("scaler"))
+        if state.get("best", {}).get("metric") == self.best.metric:
+            self.best.load_state_dict(state["best"])
+            if self.early_stopping is not None and state.get("early_stopping"):
+                self.early_stopping.load_state_dict(state["early_stopping"])
+        if self.adascale is not None and state.get("adascale"):
+            self.adascale.load_state_dict(state["adascale"])
+        self.global_step = state["global_step"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.completed_epochs = self.epoch = state["epoch"]
+        self.step_in_epoch = state.get("step_in_epoch", 0)
+        if self.step_in_epoch and state.get("world_size") != self.world_size:
+            raise UserError(
+                f"checkpoint {source!r} was written mid-epoch by {state.get('world_size')} processes; "
+                f"resume it with that many (this run has {self.world_size})"
+            )
+        if self.step_in_epoch:
+            self.resume_sums = state["epoch_sums"][self.rank]
+            self.resume_rng = state["rng"][self.rank]
+
+
+def rng_state() -> dict:
+    """This process's random generators, as tensors and plain values (safe for weights_only loading)."""
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def restore_rng(state: dict) -> None:
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """`Lookahead(LARSWrapper(SGD))`: the optimizer and the wrappers around it."""
+    inner = getattr(optimizer, "optimizer", None)
+    return type(optimizer).__name__ + (f"({describe_optimizer(inner)})" if inner is not None else "")

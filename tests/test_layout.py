@@ -1,0 +1,137 @@
+"""The house (#22): the user's files at the top, the machinery in one package, modules of one concern each, imports
+that only go down (no cycles, nothing imports the recipe or the task), and old import paths that say where they went.
+"""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+from multiproc import REPO, python_run
+
+TOP = {"run.py", "task.py", "lars.py", "lamb.py", "lookahead.py", "customized_function.py"}
+
+
+def project_modules() -> dict[str, ast.Module]:
+    """Every Python module of the project (not tests), by dotted name, parsed."""
+    files = [*REPO.glob("*.py"), *REPO.glob("ddp_tricks/**/*.py")]
+    modules = {}
+    for path in files:
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = ast.parse(path.read_text())
+    return modules
+
+
+def imports_of(tree: ast.Module, known: set[str]) -> set[str]:
+    """The project modules a module imports, at its top or inside functions (`from a.b import c` counts a.b.c
+    when that is a module, else a.b)."""
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        for name in names:
+            if name in known:
+                found.add(name)
+    return found
+
+
+def test_the_top_holds_only_what_users_run_edit_or_import_alone():
+    assert {p.name for p in REPO.glob("*.py")} == TOP
+    assert len(TOP) <= 8
+
+
+def test_no_module_is_over_450_lines_and_run_py_has_no_formatter_escape():
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in [*REPO.glob("*.py"), *REPO.glob("ddp_tricks/**/*.py")]
+        if (n := len(p.read_text().splitlines())) > 450
+    }
+    assert long == {}
+    assert "fmt: skip" not in (REPO / "run.py").read_text() and "fmt: off" not in (REPO / "run.py").read_text()
+
+
+def test_the_tree_is_as_the_formatter_writes_it():
+    ruff = REPO / ".venv" / "bin" / "ruff"
+    if not ruff.exists():
+        pytest.skip("ruff is installed by `make install-all`")
+    result = subprocess.run([str(ruff), "format", "--check", "."], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_imports_go_one_way_with_no_cycle():
+    modules = project_modules()
+    graph = {name: imports_of(tree, set(modules)) - {name} for name, tree in modules.items()}
+    # nothing imports the recipe or the task: they stand above everything
+    assert [m for m, deps in graph.items() if deps & {"run", "task"}] == []
+    # the package never reaches tools, tests, benchmarks or examples (they are not modules here at all)
+    state = {}  # depth-first search for a cycle: 1 on the path, 2 done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            assert state.get(dep) != 1, f"import cycle: {' -> '.join([*path, name, dep])}"
+            if dep not in state:
+                visit(dep, [*path, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+def test_the_package_and_the_command_line_import_no_torch():
+    code = "import sys, ddp_tricks, ddp_tricks.cli; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("data", "from ddp_tricks import InMemoryDataset"),
+        ("config", "from ddp_tricks import UserError"),
+        ("trace_api", "ddp_tricks.traces.original_api (CustomSampler"),
+        ("engine", "ddp_tricks.training"),
+        ("schedulers", "from lars import PolynomialWarmup"),
+    ],
+)
+def test_an_old_import_path_fails_with_a_line_naming_the_new_one(old, new):
+    code = f"import ddp_tricks\nimport {old}"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and last.startswith("ModuleNotFoundError: module") and new in last, last
+
+
+def test_a_module_of_the_user_s_own_with_an_old_name_still_imports(tmp_path):
+    (tmp_path / "data.py").write_text("VALUE = 7\n")
+    code = "import ddp_tricks, data; print(data.VALUE)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={"PYTHONPATH": f"{REPO}:{tmp_path}"})  # fmt: skip
+    assert result.stdout.strip() == "7", result.stderr
+
+
+def test_a_task_file_with_an_old_import_is_one_line(tmp_path):
+    task = tmp_path / "old_task.py"
+    task.write_text("from data import InMemoryDataset\n\nclass Task:\n    pass\n")
+    result = python_run(["--task", str(task), "--runs-dir", str(tmp_path)])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "module 'data' moved into the ddp_tricks package" in result.stderr
+    assert "from ddp_tricks import InMemoryDataset" in result.stderr
+
+
+def test_public_names_keep_their_homes():
+    code = (
+        "from lars import LARS, LARSWrapper, create_optimizer_lars, PolynomialWarmup\n"
+        "from lamb import LAMB\nfrom lookahead import Lookahead\n"
+        "from customized_function import same_seeds, EarlyStopping\n"
+        "from ddp_tricks import InMemoryDataset, UserError\n"
+        "from ddp_tricks.traces.original_api import CustomSampler, LinearRuleOptimizer, RootRuleOptimizer, "
+        "AdaScaleOptimizer\nprint('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr
