@@ -78,8 +78,10 @@ def run(flags, task, process: launch.Launch) -> int:
     train_set, val_set = task.datasets()
     loaders.check_sizes(len(train_set), len(val_set), process.world_size)
     model = task.model()
-    sum_names = seam.check_task(task, model, train_set)  # also initialises lazy modules
+    collate = getattr(task, "collate", None)  # the task's own batching (padding sequences, say), when it has one
+    sum_names = seam.check_task(task, model, train_set, collate)  # also initialises lazy modules
     plan = make_plan(flags, len(train_set), process.world_size)
+    seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir)
     state = checkpoint.load(resume_from) if resume_from else None
     if state is not None:
@@ -125,18 +127,21 @@ def run(flags, task, process: launch.Launch) -> int:
         flags.seed,
         flags.workers,
         flags.prefetch_factor,
+        collate,
     )
     if flags.eval_only:
         row = {"epoch": t.completed_epochs, "step": t.global_step, "lr": t.lr} | loop.evaluate(t, val_loader)
         folder.append(row, "eval.csv")  # beside the run's metrics.csv, never into it
         log.info("eval-only: %s -> %s", run_folder.describe(row), folder.path / "eval.csv")
         return 0
-    return train(flags, t, plan, train_set, val_loader, folder, preemption)
+    train_loader = loaders.train_loader(
+        train_set, t.rank, t.device, flags.seed, flags.workers, flags.prefetch_factor, collate
+    )
+    return train(flags, t, plan, train_loader, val_loader, folder, preemption)
 
 
-def train(flags, t: Training, plan: planning.Plan, train_set, val_loader, folder, preemption) -> int:
+def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, folder, preemption) -> int:
     """Epochs of train -> evaluate -> decide -> checkpoint -> log, from where the state stands."""
-    train_loader = loaders.train_loader(train_set, t.rank, t.device, flags.seed, flags.workers, flags.prefetch_factor)
     every = flags.checkpoint_every_steps
     checkpoints = checkpoint.Checkpoints(folder.path, t.rank == 0, every, preemption, vars(flags))
     for epoch in range(t.completed_epochs + 1, flags.epochs + 1):
@@ -201,6 +206,7 @@ def make_plan(flags, num_train: int, world_size: int) -> planning.Plan:
         optimizer=flags.optimizer,
         lr_power=flags.lr_power,
         step_epochs=flags.step_epochs,
+        drop_last=flags.drop_last,
     )
 
 

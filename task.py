@@ -5,19 +5,26 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
 
     add_arguments(parser)        optional staticmethod: the task's own flags (shown by `run.py --help`)
     __init__(self, args)         the parsed flags: the task's own and the template's
-    datasets(self)               -> (train_set, val_set): torch Datasets of (input, target) pairs
-    model(self)                  -> nn.Module; called after datasets(), so it can use what they showed
-    loss(self, outputs, targets) -> the MEAN loss over the batch (a scalar tensor)
+    datasets(self)               -> (train_set, val_set): torch Datasets; a batch of them is (inputs, targets),
+                                 each a tensor or a dict / tuple / dataclass of tensors
+    model(self)                  -> nn.Module, called as model(inputs); called after datasets(), so it can use
+                                 what they showed. It may return any structure: loss() and metric_sums() get it
+    loss(self, outputs, targets) -> the MEAN loss over the batch's units (a scalar tensor)
+    units(self, inputs, targets) optional: how many units that mean is over (real tokens, pixels); default:
+                                 the batch's samples. Accumulation, uneven batches and evaluation weigh by them
+    collate(self, samples)       optional: a list of dataset items -> one (inputs, targets) batch (padding)
     metric_sums(self, outputs, targets)  optional: {name: SUM over the batch}; sums stay exact across ranks
-    metrics(self, sums, count)   optional: {reported name: value} from the sums over a whole set
-                                 (default: each sum / count, under the sum's name)
+    metrics(self, sums, count)   optional: {reported name: value} from the sums over a whole set, count = its
+                                 units (default: each sum / count, under the sum's name)
     better = {"acc": "max"}      every reported metric besides the loss, and whether higher or lower is better
     monitor = "loss"             the validation metric that picks best.pt and drives early stopping and
                                  ReduceLROnPlateau (`--monitor NAME` chooses another reported one)
     shown_as = {"acc": ("top-1 accuracy", "%")}   optional: how sweeps and figures name a metric, and its unit
 
-`python run.py --task path/to/file.py:ClassName` trains a task from another file; examples/ has two.
-Heavy imports (torch, torchvision) sit inside the methods so that `run.py --help` answers at once.
+What a task file imports from the template comes from one place: `from ddp_tricks import InMemoryDataset,
+UserError` (raise UserError for a mistake in the task's own flags: one line, exit 2). `python run.py --task
+path/to/file.py:ClassName` trains a task from another file; examples/ has three. Heavy imports (torch,
+torchvision) sit inside the methods so that `run.py --help` answers at once. docs/tasks.md has the rules in full.
 """
 
 from __future__ import annotations
@@ -86,21 +93,44 @@ class Task:
         if a.image_size and a.dataset in ("digits", "mnist-idx", "mnist", "fashion-mnist"):
             train, val = images.resized(train, a.image_size), images.resized(val, a.image_size)
         self.in_channels = train[0][0].shape[0]
+        self._image_size = tuple(train[0][0].shape[1:])  # private: not a finding of task_info
         self.num_classes = count_classes(train, val)
         return train, val
 
     def model(self):
-        from ddp_tricks import models
+        from ddp_tricks import UserError, models
 
+        need, size = models.min_input_size(self.args.model), getattr(self, "_image_size", None)  # a fork may not say
+        if size is not None and (size[0] < need[0] or size[1] < need[1]):
+            fix = (
+                "choose another --model"
+                if self.args.dataset == "cifar10"
+                else (f"pass --image-size {max(need)} or more, or choose another --model")
+            )
+            raise UserError(
+                f"--model {self.args.model} needs images of at least {need[0]}x{need[1]} to train, "
+                f"these are {size[0]}x{size[1]}: {fix} (toy, toy3 and resnet18 take any size)"
+            )
         return models.build(self.args.model, self.in_channels, self.num_classes, self.args.init)
 
     def loss(self, outputs, targets):
+        """Cross-entropy on the logits; GoogLeNet's and Inception-v3's auxiliary heads (their training-mode
+        outputs) add theirs, weighted as models.AUX_WEIGHTS says."""
         import torch.nn.functional as F
 
-        return F.cross_entropy(outputs, targets, label_smoothing=self.args.label_smoothing)
+        from ddp_tricks import models
+
+        logits, aux = models.main_and_aux(outputs)
+        smoothing = self.args.label_smoothing
+        loss = F.cross_entropy(logits, targets, label_smoothing=smoothing)
+        for weight, aux_logits in aux:
+            loss = loss + weight * F.cross_entropy(aux_logits, targets, label_smoothing=smoothing)
+        return loss
 
     def metric_sums(self, outputs, targets):
-        return {"acc": (outputs.argmax(1) == targets).sum()}
+        from ddp_tricks import models
+
+        return {"acc": (models.main_and_aux(outputs)[0].argmax(1) == targets).sum()}
 
 
 def count_classes(train, val) -> int:

@@ -82,6 +82,38 @@ def check_name(name: str) -> None:
         )
 
 
+# where training needs more than torchvision's min_size (which is for inference): Inception-v3's auxiliary head
+# pools its 17x17 grid to 5x5 and convolves it with a 5x5 kernel, so it trains from 299x299 up (measured)
+TRAINING_MIN_SIZE = {"inception_v3": (299, 299)}
+
+
+def min_input_size(name: str) -> tuple[int, int]:
+    """The smallest (height, width) a model trains on: torchvision's own `min_size` for its classifiers (or more,
+    see TRAINING_MIN_SIZE), 1 x 1 for the toy CNNs (any size)."""
+    if name in TOYS:
+        return (1, 1)
+    if name in TRAINING_MIN_SIZE:
+        return TRAINING_MIN_SIZE[name]
+    from torchvision import models as tv
+
+    return tuple(next(iter(tv.get_model_weights(name))).meta.get("min_size", (1, 1)))
+
+
+# torchvision classifiers whose training-mode output is a named tuple with auxiliary logits, and the weight each
+# auxiliary loss gets: GoogLeNet's paper weighs its two by 0.3, Inception-v3's (PyTorch's fine-tuning tutorial) 0.4
+AUX_WEIGHTS = {"GoogLeNetOutputs": 0.3, "InceptionOutputs": 0.4}
+
+
+def main_and_aux(outputs) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
+    """A classifier's logits and its auxiliary heads' (weight, logits): GoogLeNet and Inception-v3 return those
+    as a named tuple in training mode; every other output is the logits alone."""
+    weight = AUX_WEIGHTS.get(type(outputs).__name__)
+    if weight is None:
+        return outputs, []
+    main, *aux = outputs
+    return main, [(weight, logits) for logits in aux if logits is not None]
+
+
 def _torchvision_model(name: str, num_classes: int) -> nn.Module:
     from torchvision import models as tv
 

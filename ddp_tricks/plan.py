@@ -45,6 +45,7 @@ class Plan:
     repeat_last: bool = False
     lr_power: float = 1.0  # poly decay's power: --lr-power, else 2 with LARS and 1 otherwise
     step_size: int = 1  # step decay: optimizer steps between decays (--step-epochs in steps)
+    drop_last: bool = False  # training leaves out the samples that do not fill a micro-batch on every rank
 
     @property
     def traced(self) -> bool:
@@ -55,6 +56,23 @@ class Plan:
         if not self.traced:
             return 1.0
         return lr_factor(self.batch_lr_rule, batch_trace.batch_at(list(self.trace), step, True), self.global_batch)
+
+    @property
+    def smallest_micro_batch(self) -> int:
+        """The fewest samples a rank's micro-batch holds in any step (an epoch's last, without --drop-last)."""
+        if self.traced or self.drop_last:
+            return self.micro_batch  # a trace's batches are whole multiples of the micro-batch
+        return math.ceil(self.num_train / self.world_size) % self.micro_batch or self.micro_batch
+
+    def why_small(self) -> str:
+        """Where the smallest micro-batch comes from, for a message."""
+        if self.smallest_micro_batch == self.micro_batch:
+            return f"--batch-size {self.micro_batch} gives micro-batches of {self.micro_batch} sample(s)"
+        return (
+            f"with {self.num_train} training samples over {self.world_size} process(es) and --batch-size "
+            f"{self.micro_batch}, the last micro-batch of every epoch holds {self.smallest_micro_batch} sample(s) "
+            "per rank"
+        )
 
     def describe(self) -> str:
         if self.traced:
@@ -81,9 +99,13 @@ class Plan:
         if self.traced:
             return self._traced_epoch(epoch, rank, first_trace_step)
         # DistributedSampler: a new shuffle each epoch (set_epoch), padded so that every rank takes as many steps.
-        sampler = DistributedSampler(range(self.num_train), self.world_size, rank, shuffle=True, seed=self.seed)
+        sampler = DistributedSampler(
+            range(self.num_train), self.world_size, rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
+        )
         sampler.set_epoch(epoch)
         micro = torch.tensor(list(sampler)).split(self.micro_batch)
+        if self.drop_last and micro and len(micro[-1]) < self.micro_batch:
+            micro = micro[:-1]
         steps = []
         for start in range(0, len(micro), self.accum_steps):
             group = [m.tolist() for m in micro[start : start + self.accum_steps]]
@@ -122,6 +144,7 @@ def make(
     optimizer: str = "sgd",
     lr_power: float | None = None,
     step_epochs: float = 1.0,
+    drop_last: bool = False,
 ) -> Plan:
     """The plan for these numbers; an impossible combination is a UserError that names the fix."""
     if trace is None:
@@ -131,8 +154,11 @@ def make(
                 f"the global batch {global_batch} (--batch-size {micro_batch} x {world_size} processes x "
                 f"--accum-steps {accum_steps}) exceeds the {num_train} training samples: lower --batch-size"
             )
-        per_rank = math.ceil(num_train / world_size)
-        steps_per_epoch = math.ceil(math.ceil(per_rank / micro_batch) / accum_steps)
+        if drop_last:  # whole micro-batches of the samples that divide evenly over the ranks
+            micro_batches = num_train // world_size // micro_batch
+        else:  # DistributedSampler pads the ranks to the same count; the last micro-batch may be short
+            micro_batches = math.ceil(math.ceil(num_train / world_size) / micro_batch)
+        steps_per_epoch = math.ceil(micro_batches / accum_steps)
         total_steps = epochs * steps_per_epoch
     else:
         batch_trace.check_trace(trace, micro_batch)
@@ -162,4 +188,5 @@ def make(
         repeat_last=trace_end == "repeat-last",
         lr_power=lr_power if lr_power is not None else (2.0 if optimizer == "lars" else 1.0),
         step_size=max(1, round(step_epochs * steps_per_epoch)),
+        drop_last=drop_last and trace is None,
     )

@@ -137,6 +137,8 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
         )
     if cfg.batch_trace and cfg.accum_steps > 1:
         raise UserError("--batch-trace sets the accumulation of every step itself: drop --accum-steps")
+    if cfg.drop_last and cfg.batch_trace:
+        raise UserError("--drop-last has nothing to drop in a traced run (a trace's batches are whole micro-batches)")
     if cfg.batch_lr_rule != "none" and not cfg.batch_trace:
         raise UserError("--batch-lr-rule needs --batch-trace FILE")
     if cfg.nesterov and cfg.momentum == 0:

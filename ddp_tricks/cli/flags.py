@@ -228,6 +228,12 @@ def _data_loading_flags(g: argparse._ArgumentGroup) -> None:
         help="DataLoader workers per rank (default: 0, right for the in-memory default data)",
     )
     g.add_argument("--prefetch-factor", type=positive_int, default=2, help="batches prefetched per worker")
+    g.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="training leaves out the samples that do not fill a whole micro-batch on every rank (a new shuffle "
+        "each epoch decides which); validation always keeps every sample",
+    )
 
 
 def _optimizer_flags(g: argparse._ArgumentGroup) -> None:

@@ -4,8 +4,10 @@ evaluation split (every validation sample on exactly one rank, none padded in tw
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from customized_function import seed_worker
 from ddp_tricks.data.in_memory import InMemoryDataset
@@ -68,34 +70,60 @@ def check_sizes(num_train: int, num_val: int, world_size: int) -> None:
         raise UserError(f"the training set has {num_train} samples, fewer than the {world_size} processes")
 
 
-def _options(dataset: Dataset, workers: int, prefetch_factor: int, device: torch.device, seed: int) -> dict:
+def _collate_fn(dataset: Dataset, collate: Callable | None) -> Callable:
+    """The task's collate(), else an in-memory dataset's batch as is (its __getitems__ built it), else torch's."""
+    if collate is not None:
+        return collate
+    return _batch_as_is if isinstance(dataset, InMemoryDataset) else default_collate
+
+
+def batch_of(dataset: Dataset, indices: list[int], collate: Callable | None = None):
+    """The batch a loader of this module builds from these samples (the same fetch and collate)."""
+    getitems = getattr(dataset, "__getitems__", None)
+    samples = getitems(indices) if getitems else [dataset[i] for i in indices]
+    return _collate_fn(dataset, collate)(samples)
+
+
+def _options(dataset: Dataset, workers: int, prefetch_factor: int, device: torch.device, seed: int, collate) -> dict:
     options = dict(
         num_workers=workers,
         pin_memory=device.type == "cuda",
         generator=torch.Generator().manual_seed(seed),
         worker_init_fn=seed_worker,
+        collate_fn=_collate_fn(dataset, collate),
     )
     if workers > 0:
         options.update(persistent_workers=True, prefetch_factor=prefetch_factor)
-    if isinstance(dataset, InMemoryDataset):
-        options["collate_fn"] = _batch_as_is
     return options
 
 
 def train_loader(
-    dataset: Dataset, rank: int, device: torch.device, seed: int, workers: int = 0, prefetch_factor: int = 2
+    dataset: Dataset,
+    rank: int,
+    device: torch.device,
+    seed: int,
+    workers: int = 0,
+    prefetch_factor: int = 2,
+    collate: Callable | None = None,
 ) -> DataLoader:
     """The training loader: its `batch_sampler` (a PlanSampler) is pointed at each epoch's steps by the loop.
-    Workers get seed + rank, so augmentation differs between ranks."""
-    options = _options(dataset, workers, prefetch_factor, device, seed + rank)
+    Workers get seed + rank, so augmentation differs between ranks. `collate`: the task's, when it has one."""
+    options = _options(dataset, workers, prefetch_factor, device, seed + rank, collate)
     return DataLoader(dataset, batch_sampler=PlanSampler(), **options)
 
 
 def val_loader(
-    dataset: Dataset, batch_size: int, rank: int, world_size: int, device: torch.device, seed: int = 0,
-    workers: int = 0, prefetch_factor: int = 2,
-) -> DataLoader:  # fmt: skip
+    dataset: Dataset,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    seed: int = 0,
+    workers: int = 0,
+    prefetch_factor: int = 2,
+    collate: Callable | None = None,
+) -> DataLoader:
     """Each validation sample on exactly one rank (no padding), so reduced sums are the exact totals."""
     sampler = ShardSampler(len(dataset), world_size, rank)
-    options = _options(dataset, workers, prefetch_factor, device, seed)
+    options = _options(dataset, workers, prefetch_factor, device, seed, collate)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)

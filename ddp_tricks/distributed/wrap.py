@@ -1,6 +1,9 @@
-"""The model wrapped for data parallelism: SyncBatchNorm on request, then DistributedDataParallel."""
+"""The model wrapped for data parallelism (SyncBatchNorm on request, then DistributedDataParallel), and the one
+way the loop keeps a backward's gradients local while it accumulates micro-batches."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -15,3 +18,11 @@ def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, **ddp_options
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, gradient_as_bucket_view=True, **ddp_options
     )
+
+
+def accumulating(model: torch.nn.Module):
+    """A context in which a backward pass does not reduce gradients across ranks (the step's last micro-batch
+    does): DDP's `no_sync()`; a model with no reducer of its own needs nothing."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()

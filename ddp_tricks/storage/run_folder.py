@@ -18,7 +18,8 @@ from pathlib import Path
 from ddp_tricks.errors import UserError
 
 log = logging.getLogger("ddp_tricks")
-RUN_FILES = ("metrics.csv", "last.pt", "best.pt", "config.json")
+RUN_FILES = ("metrics.csv", "last.pt", "best.pt", "last.dcp")  # what makes a folder hold a run
+STARTED_FILES = ("config.json", "train.log", "workers.json")  # what a start writes before any of those
 
 
 def check(path: Path, resume: bool, overwrite: bool) -> None:
@@ -32,11 +33,17 @@ def check(path: Path, resume: bool, overwrite: bool) -> None:
         tempfile.TemporaryDirectory(dir=existing).cleanup()  # a real write: os.access lets root through anywhere
     except OSError:
         raise UserError(f"cannot write the run folder {str(path)!r}: choose a writable --runs-dir") from None
-    if not resume and not overwrite and any((path / name).exists() for name in RUN_FILES):
+    if not resume and not overwrite and holds_run(path):
         raise UserError(
             f"{str(path)!r} already holds a run: continue it with --resume auto, start over with --overwrite "
             "(clears the folder), or choose another --name"
         )
+
+
+def holds_run(path: Path) -> bool:
+    """Metrics or a checkpoint: a run that got somewhere (a start that failed before its first epoch ended leaves
+    neither, and its folder is reused)."""
+    return any((path / name).exists() for name in RUN_FILES)
 
 
 def metric_columns(task) -> list[str]:
@@ -65,6 +72,9 @@ class RunFolder:
             return
         if new_run and overwrite and completed_epochs == 0 and self.path.exists():
             shutil.rmtree(self.path)
+        elif new_run and completed_epochs == 0 and not holds_run(self.path):
+            for name in STARTED_FILES:  # a run that failed before its first checkpoint: start it again, clean
+                (self.path / name).unlink(missing_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
         log.setLevel(logging.INFO)
         for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(self.path / "train.log")):
@@ -155,8 +165,8 @@ def headline(config: dict, metric: str | None = None) -> dict:
 
 
 def task_info(task) -> dict:
-    """What the task found in its data (its plain attributes: number of classes, input channels, ...)."""
-    return {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool, tuple))}
+    """What the task found in its data (its plain public attributes: number of classes, input channels, ...)."""
+    return {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool, tuple)) and k[0] != "_"}
 
 
 def provenance() -> dict:

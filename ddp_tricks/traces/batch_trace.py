@@ -196,12 +196,14 @@ class TraceReduction:
         self._accumulated: list[torch.Tensor] | None = None
         self._sq_norms = 0.0
 
-    def after_backward(self, samples: int, batch: int) -> None:
-        """With AdaScale, each micro-batch's gradient is kept apart for its squared norm; else grads accumulate."""
+    def after_backward(self, weight: float | torch.Tensor) -> None:
+        """With AdaScale, each micro-batch's gradient is kept apart for its squared norm; else grads accumulate.
+        `weight`: what the micro-batch's mean loss was multiplied by (its share of the step: b / B samples, or its
+        units over the step's)."""
         if self.adascale is None:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        scale = batch / samples  # the micro-batch's mean gradient g_j = grad x B / b
+        scale = 1 / weight  # the micro-batch's mean gradient g_j = grad / its share
         self._sq_norms = self._sq_norms + sum(torch.sum((g.double() * scale) ** 2) for g in grads)
         if self._accumulated is None:
             self._accumulated = [torch.zeros_like(p) for p in self.params]

@@ -1,9 +1,10 @@
 """THE training loop, one for every kind of run (plain, accumulated, traced), and the exact evaluation.
 
-A step is what the plan says: this rank's micro-batches, each forward under autocast, its loss divided so the
-step averages exactly its samples, backward under DDP's `no_sync()` until the last one (or, in a traced run,
-one all-reduce at the end); then clipping, the GradScaler and the step's LR factor. Metrics are the task's
-sums, kept as device tensors: no host sync per step (`.item()` only at logging intervals).
+A step is what the plan says: this rank's micro-batches, each forward under autocast, its loss weighted so the
+step averages exactly its units (samples, or what the task's `units()` counts: tokens, pixels), backward under
+DDP's `no_sync()` until the last one (or, in a traced run, one all-reduce at the end); then clipping, the
+GradScaler and the step's LR factor. Batches and outputs may be any structure of tensors (training/batches.py).
+Metrics are the task's sums, kept as device tensors: no host sync per step (`.item()` only at logging intervals).
 """
 
 from __future__ import annotations
@@ -18,32 +19,59 @@ from torch import nn
 
 from ddp_tricks.data.loaders import seed_epoch
 from ddp_tricks.distributed.collectives import all_reduce_sum, any_rank, broadcast_buffers
+from ddp_tricks.distributed.wrap import accumulating
 from ddp_tricks.plan import Step
 from ddp_tricks.training import precise_bn
+from ddp_tricks.training.batches import detached, float_outputs, samples_in, to_device
 from ddp_tricks.training.seam import report
 from ddp_tricks.training.state import Training, restore_rng
 
 
-def to_device(t: Training, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    inputs = inputs.to(t.device, non_blocking=True)
-    if t.channels_last and inputs.dim() == 4:
-        inputs = inputs.contiguous(memory_format=torch.channels_last)
-    return inputs, targets.to(t.device, non_blocking=True)
-
-
-def forward(t: Training, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor):
-    """The model under autocast, then the task's loss on float outputs: (outputs, batch-mean loss)."""
+def forward(t: Training, model: nn.Module, inputs, targets):
+    """The model under autocast, then the task's loss on its outputs, half-precision tensors cast to float32:
+    (outputs, the loss: the mean over the batch's units)."""
     with t.precision.autocast():
         outputs = model(inputs)
-    outputs = outputs.float() if outputs.is_floating_point() else outputs
+    outputs = float_outputs(outputs)
     return outputs, t.task.loss(outputs, targets)
 
 
-def batch_sums(t: Training, outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """[loss x samples, *the task's metric sums], float64 on the device."""
-    sums = t.task.metric_sums(outputs.detach(), targets) if t.sum_names else {}
-    # one stack (it promotes the dtypes) and one cast: the fewest operations per micro-batch
-    return torch.stack([loss.detach() * len(targets), *(sums[k] for k in t.sum_names)]).double()
+def batch_sums(t: Training, outputs, targets, loss: torch.Tensor, units) -> torch.Tensor:
+    """[loss x units, *the task's metric sums] on the device, in the widest dtype among them (float32 mostly: a
+    batch's sums are exact there); added into float64 running sums."""
+    sums = t.task.metric_sums(detached(outputs), targets) if t.sum_names else {}
+    return torch.stack([loss.detach() * units, *(sums[k] for k in t.sum_names)])  # one op: it promotes the dtypes
+
+
+def micro_batches(t: Training, step: Step, batches, units_of):
+    """This rank's micro-batches of `step`, on the device, each as (inputs, targets, samples, units, weight):
+    `weight` multiplies the micro-batch's mean loss so that the step's gradient is the mean over all its units.
+
+    Without the task's `units()`, a unit is a sample and the plan knows every weight ahead. With it, the step's
+    micro-batches are fetched first and one all-reduce (no host sync) sums their units over the ranks; every rank
+    takes part, also one with no micro-batch in a traced step."""
+    if units_of is None:
+        for _ in step.micro_batches:
+            inputs, targets = next(batches)
+            inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
+            samples = samples_in(targets, inputs)
+            yield inputs, targets, samples, samples, samples / step.divisor
+        return
+    fetched = []
+    for _ in step.micro_batches:
+        inputs, targets = next(batches)
+        inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
+        units = torch.as_tensor(units_of(inputs, targets), dtype=torch.float64, device=t.device)
+        fetched.append((inputs, targets, units))
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for *_, units in fetched:
+        total += units
+    total = all_reduce_sum(total.reshape(1))[0]
+    t.empty_steps += total == 0  # a step with no unit anywhere: said at the next check (check_units)
+    # DDP averages the ranks' gradients: a rank's share is its units over the mean units per rank
+    scale = (t.world_size if t.reduction is None else 1) / total.clamp(min=1)
+    for inputs, targets, units in fetched:
+        yield inputs, targets, samples_in(targets, inputs), units, units * scale
 
 
 def progress_bar(enabled: bool, total: int, description: str):
@@ -80,18 +108,21 @@ def train_one_epoch(
     """Train the epoch's `steps` from `first_step` on; return the epoch's metrics reduced across ranks.
 
     The loader yields this rank's micro-batches of those steps in order. A resumed epoch continues from
-    `t.resume_sums` (this rank's running [loss, *metric sums, samples] when its checkpoint was written).
+    `t.resume_sums` (this rank's running [loss x units, *metric sums, units, samples] when its checkpoint was
+    written).
     `after_step(t)` runs after every optimizer step (`t.step_in_epoch` steps done, `t.epoch_sums` the running
     sums); when it returns True the epoch stops there and None is returned.
     """
     t.model.train()
     width = len(t.sum_names) + 1
     resumed = t.resume_sums if first_step else None
-    start_sums = torch.zeros(width + 1, dtype=torch.float64) if resumed is None else resumed.cpu()
+    start_sums = torch.zeros(width + 2, dtype=torch.float64) if resumed is None else resumed.cpu()
     t.resume_sums = None
     running = start_sums[:width].to(t.device, copy=True)
     t.epoch_sums = running  # a non-finite loss makes it non-finite: "stop" checks it, at no cost per step
-    t.epoch_samples = int(start_sums[width])
+    t.epoch_units = float(start_sums[width])
+    t.epoch_samples = int(start_sums[-1])  # a checkpoint from before units kept one count: units = samples
+    units_of = getattr(t.task, "units", None)
 
     skip_nonfinite = not t.precision.skips_nonfinite and t.on_nonfinite == "skip"
     step_nonfinite = torch.zeros((), dtype=torch.bool, device=t.device)
@@ -101,22 +132,22 @@ def train_one_epoch(
     if progress is not None:
         progress.update(first_step)
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
-        for k in range(len(step.micro_batches)):
-            inputs, targets = to_device(t, *next(batches))
-            sync = k == len(step.micro_batches) - 1 or not hasattr(t.model, "no_sync")  # DDP: reduce on the last
-            with contextlib.nullcontext() if sync else t.model.no_sync():
+        last = len(step.micro_batches) - 1
+        for k, (inputs, targets, samples, units, weight) in enumerate(micro_batches(t, step, batches, units_of)):
+            with contextlib.nullcontext() if k == last else accumulating(t.model):  # gradients reduced on the last
                 outputs, loss = forward(t, t.model, inputs, targets)
-                t.precision.backward(loss * (len(targets) / step.divisor), t.optimizer)
+                t.precision.backward(loss * weight, t.optimizer)
             if t.reduction is not None:
-                t.reduction.after_backward(len(targets), step.batch)
+                t.reduction.after_backward(weight)
             with torch.no_grad():
-                row = batch_sums(t, outputs, targets, loss)
+                row = batch_sums(t, outputs, targets, loss, units)
                 if skip_nonfinite:  # keep the skipped batch out of the epoch's sums
                     nonfinite = ~torch.isfinite(row[0])
                     step_nonfinite |= nonfinite
                     row = torch.where(nonfinite, torch.zeros_like(row), row)
                 running += row
-            t.epoch_samples += len(targets)
+            t.epoch_units += units
+            t.epoch_samples += samples
         factor = step.lr_factor
         gain = t.reduction.finish(step.batch) if t.reduction is not None else 1.0
         if t.adascale is not None:
@@ -131,11 +162,12 @@ def train_one_epoch(
         t.step_in_epoch = done
         if done % log_interval == 0:
             t.raise_if_nonfinite()
+            t.check_units()
         if after_step is not None and after_step(t):
             return None
         if progress is not None and done % log_interval == 0:
             progress.set_postfix(
-                loss=f"{running[0].item() / max(t.epoch_samples, 1):.4f}",
+                loss=f"{running[0].item() / max(float(t.epoch_units), 1.0):.4f}",
                 lr=f"{t.lr:.4g}",
                 samples_per_s=f"{t.epoch_samples / (time.perf_counter() - start):.0f}",
             )
@@ -143,12 +175,14 @@ def train_one_epoch(
     if progress is not None:
         progress.update(len(steps) - progress.n)
     t.raise_if_nonfinite()
+    t.check_units()
     seconds = time.perf_counter() - start
-    trained_now = t.epoch_samples - float(start_sums[width])
-    counts = torch.tensor([t.epoch_samples, trained_now], dtype=torch.float64, device=t.device)
-    *total, count_all, samples_now = all_reduce_sum(torch.cat([running, counts])).tolist()
-    return report(t.task, t.sum_names, "train", total, count_all) | {
-        "global_batch": count_all / max(len(steps), 1),
+    units = torch.as_tensor(t.epoch_units, dtype=torch.float64, device=t.device).reshape(1)
+    counts = torch.tensor([t.epoch_samples, t.epoch_samples - start_sums[-1].item()], dtype=torch.float64)
+    reduced = all_reduce_sum(torch.cat([running, units, counts.to(t.device)])).tolist()
+    *total, units_all, samples_all, samples_now = reduced
+    return report(t.task, t.sum_names, "train", total, units_all) | {
+        "global_batch": samples_all / max(len(steps), 1),
         "samples_per_second": samples_now / seconds,
         "epoch_seconds": seconds,
         "skipped_steps": t.skipped_steps - skipped_before,
@@ -178,7 +212,7 @@ def recompute_bn_stats(t: Training, loader, steps: list, samples: int, micro_bat
         return 0
     loader.batch_sampler.start(steps)
     batches = min(-(-samples // (micro_batch * world_size)), len(loader))
-    inputs = (to_device(t, x, y)[0] for x, y in loader)
+    inputs = (to_device(x, t.device, t.channels_last) for x, _ in loader)
     return precise_bn.recompute(t.raw_model, inputs, batches, t.precision.autocast)
 
 
@@ -189,11 +223,13 @@ def evaluate(t: Training, loader) -> dict[str, float]:
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
     model.eval()
+    units_of = getattr(t.task, "units", None)
     sums = torch.zeros(len(t.sum_names) + 2, dtype=torch.float64, device=t.device)
     for inputs, targets in loader:
-        inputs, targets = to_device(t, inputs, targets)
+        inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
+        units = samples_in(targets, inputs) if units_of is None else units_of(inputs, targets)
         outputs, loss = forward(t, model, inputs, targets)
-        sums[:-1] += batch_sums(t, outputs, targets, loss)
-        sums[-1] += len(targets)
-    *total, samples = all_reduce_sum(sums).tolist()
-    return report(t.task, t.sum_names, "val", total, samples)
+        sums[:-1] += batch_sums(t, outputs, targets, loss, units)
+        sums[-1] += units
+    *total, units = all_reduce_sum(sums).tolist()
+    return report(t.task, t.sum_names, "val", total, units)

@@ -1,5 +1,5 @@
-"""The task as the loop calls it (task.py's seam): the pre-flight check of a task on a few training samples, and
-the reported metrics from sums over a whole set.
+"""The task as the loop calls it (task.py's seam): the pre-flight checks of a task (its pieces on a few training
+samples, BatchNorm against one-sample micro-batches), and the reported metrics from sums over a whole set.
 """
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddp_tricks.data.loaders import batch_of
 from ddp_tricks.errors import UserError
+from ddp_tricks.training.batches import describe, float_outputs, samples_in
 
 
 def report(task, sum_names: list[str], prefix: str, values: list[float], count: float) -> dict[str, float]:
@@ -18,23 +20,28 @@ def report(task, sum_names: list[str], prefix: str, values: list[float], count: 
     return {f"{prefix}_loss": values[0] / count} | {f"{prefix}_{k}": float(v) for k, v in metrics.items()}
 
 
-def check_task(task, model: nn.Module, dataset) -> list[str]:
-    """One forward pass and loss on four training samples, before any process group: initialises lazy modules,
-    and turns a model that does not fit the loss into one line. Returns the task's metric-sum names."""
-    inputs, targets = torch.utils.data.default_collate([dataset[i] for i in range(min(4, len(dataset)))])
+def check_task(task, model: nn.Module, dataset, collate=None) -> list[str]:
+    """One forward pass, loss, units and metric sums on four training samples, batched as the loader batches them,
+    before any process group: initialises lazy modules, and turns a task whose pieces do not fit together into one
+    line. An error inside the model itself is the task's own and keeps its traceback. Returns the metric-sum names.
+    """
+    inputs, targets = batch_of(dataset, list(range(min(4, len(dataset)))), collate)
+    shown = f"shape {tuple(inputs.shape)}" if isinstance(inputs, torch.Tensor) else describe(inputs)
     training = model.training
     model.eval()  # no BatchNorm statistics change
+    misfit = f"the task's model output (on inputs of {shown}) does not fit its"
     try:
         with torch.no_grad():
-            outputs = model(inputs)
-            loss = task.loss(outputs.float(), targets)
-            sums = task.metric_sums(outputs.float(), targets) if hasattr(task, "metric_sums") else {}
-    except Exception as error:
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
-        raise UserError(
-            f"the task's model output (on inputs of shape {tuple(inputs.shape)}) does not fit its loss or metrics "
-            f"({reason}); make model() return what loss() expects"
-        ) from None
+            outputs = float_outputs(model(inputs))
+            loss = _call(task.loss, outputs, targets, f"{misfit} loss", "make model() return what loss() expects")
+            sums = {}
+            if hasattr(task, "metric_sums"):
+                fix = "make metric_sums() read what model() returns"
+                sums = _call(task.metric_sums, outputs, targets, f"{misfit} metric_sums()", fix)
+            units = samples_in(targets, inputs)
+            if hasattr(task, "units"):
+                fix = "make it count the batch's units (tokens, pixels)"
+                units = _call(task.units, inputs, targets, "the task's units() fails on a batch", fix)
     finally:
         model.train(training)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -42,12 +49,16 @@ def check_task(task, model: nn.Module, dataset) -> list[str]:
     shaped = [k for k, v in sums.items() if not isinstance(v, torch.Tensor) or v.dim() != 0]
     if shaped:
         raise UserError(f"the task's metric_sums() must give scalar tensors (batch sums); {shaped[0]!r} is not")
+    if not isinstance(units, (int, float, torch.Tensor)) or isinstance(units, torch.Tensor) and units.numel() != 1:
+        raise UserError(f"the task's units() must give the batch's count of units as one number, not {describe(units)}")
+    if not 0 <= float(units) < float("inf"):
+        raise UserError(f"the task's units() must give a count >= 0, got {float(units)}")
     modes = getattr(task, "better", {})
     if any(mode not in ("min", "max") for mode in modes.values()):
         raise UserError(f"the task's `better` must map each metric to 'min' or 'max', got {modes}")
-    values = [float(loss) * len(targets), *(float(v) for v in sums.values())]
+    values = [float(loss) * float(units), *(float(v) for v in sums.values())]
     try:  # the names metrics() reports, from these samples' sums (a degenerate sample may not compute: no check)
-        reported = set(report(task, list(sums), "", values, float(len(targets)))) - {"_loss"}
+        reported = set(report(task, list(sums), "", values, float(units))) - {"_loss"}
     except ArithmeticError:
         reported = None
     declared = {f"_{name}" for name in getattr(task, "better", {})}
@@ -57,3 +68,43 @@ def check_task(task, model: nn.Module, dataset) -> list[str]:
             f"{sorted(m[1:] for m in declared)}: give each reported metric 'min' or 'max' in `better`"
         )
     return list(sums)
+
+
+def _call(method, first, second, problem: str, fix: str):
+    """A task method on a batch; an exception becomes one line: the problem, torch's reason, the fix."""
+    try:
+        return method(first, second)
+    except Exception as error:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
+        raise UserError(f"{problem} ({reason}); {fix}") from None
+
+
+def check_batchnorm(model: nn.Module, dataset, collate, smallest_micro_batch: int, why: str) -> None:
+    """A micro-batch of one sample trains BatchNorm only where each channel still has several values (a feature
+    map); where it has one (BatchNorm1d on features, a 1x1 map) torch stops mid-epoch. Found at start: one forward
+    of one sample, in eval mode, measuring every BatchNorm's values per channel; refused naming --drop-last."""
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if smallest_micro_batch > 1 or not layers:
+        return
+    values = []
+
+    def measure(_, args):
+        values.append(args[0].numel() // args[0].shape[1])  # one sample: its values per channel
+
+    hooks = [m.register_forward_pre_hook(measure) for m in layers]
+    inputs, _ = batch_of(dataset, [0], collate)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+    if values and min(values) <= 1:
+        raise UserError(
+            f"{why}, and the model's BatchNorm cannot train on one sample (one value per channel): pass --drop-last "
+            "(training leaves out the samples that do not fill a micro-batch; validation keeps every one) or "
+            "choose another --batch-size"
+        )

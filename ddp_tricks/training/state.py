@@ -44,6 +44,16 @@ class Best:
         self.val = {k: v for k, v in row.items() if k.startswith("val_")}
         return True
 
+    def check_units(self) -> None:
+        """A step whose micro-batches held no unit on any rank (the task's units() gave 0 everywhere) trains on
+        nothing: said as a user error, on every rank together (the count was all-reduced)."""
+        if isinstance(self.empty_steps, torch.Tensor) and self.empty_steps.item() > 0:
+            raise UserError(
+                f"{int(self.empty_steps.item())} optimizer step(s) of epoch {self.epoch} held no units: the task's "
+                "units() gave 0 for every micro-batch of the step on every rank; every step needs at least one unit "
+                "(a real token, pixel or sample): check units() and the data"
+            )
+
     def state_dict(self) -> dict:
         return {"metric": self.metric, "value": self.value, "epoch": self.epoch, "val": dict(self.val)}
 
@@ -83,8 +93,10 @@ class Training:
     step_in_epoch: int = 0  # optimizer steps already taken in epoch completed_epochs + 1
     global_step: int = 0  # optimizer steps taken or skipped, over the whole run
     skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
-    epoch_sums: torch.Tensor | None = field(init=False, default=None)  # this rank's running [loss, *metric sums]
-    epoch_samples: int = field(init=False, default=0)  # this rank's samples in them
+    epoch_sums: torch.Tensor | None = field(init=False, default=None)  # this rank's running [loss x units, *sums]
+    epoch_units: float | torch.Tensor = field(init=False, default=0.0)  # this rank's units (samples, tokens) in them
+    epoch_samples: int = field(init=False, default=0)  # and its samples
+    empty_steps: int | torch.Tensor = field(init=False, default=0)  # steps whose units were 0 on every rank
     resume_sums: torch.Tensor | None = field(init=False, default=None)  # a checkpoint's, to continue its epoch
     resume_rng: dict | None = field(init=False, default=None)  # this rank's RNG of a mid-epoch checkpoint
     lr_log: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
@@ -142,6 +154,16 @@ class Training:
         if any(flags):
             raise NonFiniteLoss(self.epoch, self.global_step, flags.index(1.0))
 
+    def check_units(self) -> None:
+        """A step whose micro-batches held no unit on any rank (the task's units() gave 0 everywhere) trains on
+        nothing: said as a user error, on every rank together (the count was all-reduced)."""
+        if isinstance(self.empty_steps, torch.Tensor) and self.empty_steps.item() > 0:
+            raise UserError(
+                f"{int(self.empty_steps.item())} optimizer step(s) of epoch {self.epoch} held no units: the task's "
+                "units() gave 0 for every micro-batch of the step on every rank; every step needs at least one unit "
+                "(a real token, pixel or sample): check units() and the data"
+            )
+
     def state_dict(self) -> dict:
         """The whole training state, with every rank's RNG and (mid-epoch) running sums: a collective, called on
         every rank. Tensors and plain containers only, so `torch.load(weights_only=True)` reads it back."""
@@ -149,8 +171,10 @@ class Training:
         mid_epoch = self.step_in_epoch > 0 and self.epoch_sums is not None
         sums = None
         if mid_epoch:
-            count = torch.tensor([float(self.epoch_samples)], dtype=torch.float64, device=self.epoch_sums.device)
-            sums = gather_from_ranks(torch.cat([self.epoch_sums, count])).cpu()
+            device = self.epoch_sums.device
+            units = torch.as_tensor(self.epoch_units, dtype=torch.float64, device=device).reshape(1)
+            samples = torch.tensor([float(self.epoch_samples)], dtype=torch.float64, device=device)
+            sums = gather_from_ranks(torch.cat([self.epoch_sums, units, samples])).cpu()
         adascale = self.adascale
         return {
             "model": self.raw_model.state_dict(),
@@ -162,7 +186,7 @@ class Training:
             "adascale": adascale.state_dict() if adascale is not None else None,
             "epoch": self.completed_epochs,
             "step_in_epoch": self.step_in_epoch if mid_epoch else 0,  # optimizer steps taken in epoch `epoch + 1`
-            "epoch_sums": sums,  # each rank's running [loss, *metric sums, samples] of that epoch, mid-epoch only
+            "epoch_sums": sums,  # each rank's running [loss x units, *metric sums, units, samples], mid-epoch only
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
             "best": self.best.state_dict(),
