@@ -50,6 +50,7 @@ format: install-all
 bench: install-all
 	$(PY) bench/optim_step.py
 	$(PY) bench/e2e.py
+	$(PY) bench/fsdp_memory.py
 
 # No install-all: it runs on the machine's own Python (PYTHON=...), which needs torch and torchvision.
 gpu-check:

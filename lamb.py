@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from lars import _norms, trust_ratio
+from ddp_tricks.shards import local, shard_group
+from lars import _trust_ratios
 
 
 class LAMB(Optimizer):
@@ -82,6 +83,7 @@ class LAMB(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        updates = []  # (group, params, the sub-lists of one device and dtype, as local slices, and their u)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in group["params"]:
@@ -90,7 +92,7 @@ class LAMB(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("LAMB does not support sparse gradients; use dense gradients")
                 state = self.state[p]
-                if not state:
+                if "exp_avg" not in state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -98,12 +100,22 @@ class LAMB(Optimizer):
                 if not group["capturable"]:
                     state["step"] += 1
                 params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
+                grads.append(local(p.grad))
+                exp_avgs.append(local(state["exp_avg"]))
+                exp_avg_sqs.append(local(state["exp_avg_sq"]))
                 steps.append(state["step"])
             if params:
-                _lamb_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, group)
+                updates += [
+                    (group, params, *sub) for sub in _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group)
+                ]
+        work = [(group, params, shard_group(params), sub, u) for group, params, sub, u in updates]
+        ratios = _trust_ratios(work, lambda item: [item[3], item[4]], lambda group: (0.0, 1.0, 0.0))
+        for (group, _, _, sub, u), sub_ratios in zip(work, ratios):
+            if sub_ratios is None:
+                torch._foreach_add_(sub, u, alpha=-group["lr"])
+                continue
+            torch._foreach_mul_(u, (sub_ratios * group["lr"]).to(sub[0].dtype).unbind(0))
+            torch._foreach_sub_(sub, u)
         return loss
 
 
@@ -119,10 +131,14 @@ def _step_in_mode(step, capturable: bool, device: torch.device):
     return step
 
 
-def _lamb_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> None:
+def _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> list[tuple[list, list]]:
+    """Adam's moments updated in place, and for each run of parameters of one device and dtype, (their local
+    slices, u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w), before the trust ratio."""
     beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    grouped = Optimizer._group_tensors_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs], with_indices=True)
+    eps, wd = group["eps"], group["weight_decay"]
+    slices = [local(p) for p in params]
+    grouped = Optimizer._group_tensors_by_device_and_dtype([slices, grads, exp_avgs, exp_avg_sqs], with_indices=True)
+    updates = []
     for (_device, _dtype), ((dev_params, dev_grads, dev_m, dev_v), indices) in grouped.items():
         dev_steps = [steps[i] for i in indices]
         if group["capturable"]:
@@ -145,12 +161,8 @@ def _lamb_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> None:
             torch._foreach_div_(u, bc1)  # m_hat / (sqrt(v_hat) + eps)
         if wd != 0:
             torch._foreach_add_(u, dev_params, alpha=wd)
-        if group["lars"]:
-            ratios = trust_ratio(_norms(dev_params), _norms(u), 0.0, 1.0, 0.0)
-            torch._foreach_mul_(u, (ratios * lr).to(dev_params[0].dtype).unbind(0))
-            torch._foreach_sub_(dev_params, u)
-        else:
-            torch._foreach_add_(dev_params, u, alpha=-lr)
+        updates.append((dev_params, u))
+    return updates
 
 
 def _bias_corrections(beta: float, steps: list) -> list:

@@ -1,5 +1,9 @@
 """LARS, layer-wise adaptive rate scaling (You, Gitman & Ginsburg, 2017, https://arxiv.org/abs/1708.03888):
 `LARS` (standalone, Algorithm 1), `LARSWrapper` (over any optimizer) and `create_optimizer_lars`.
+
+Sharded parameters (FSDP2's DTensors, each rank holding a slice of every tensor) work as whole ones: the trust
+ratio needs the norm of each WHOLE tensor, so every step sums the squared norms of the local slices of all its
+tensors in ONE all-reduce (ddp_tricks/shards.py: `whole_norms`), and updates the slices in place.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ddp_tricks.schedules.curves import PolynomialWarmup  # the original LARS project imported it from here
+from ddp_tricks.shards import like, local, shard_group, whole_norms
 from ddp_tricks.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["LARS", "LARSWrapper", "create_optimizer_lars", "PolynomialWarmup", "trust_ratio"]
@@ -24,21 +29,12 @@ def _check(name: str, value: float, low: float = 0.0, strict: bool = False) -> N
         raise ValueError(f"Invalid {name}: {value} (must be {'>' if strict else '>='} {low})")
 
 
-def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
-    return torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
-
-
 def trust_ratio(
     weight_norm: torch.Tensor, grad_norm: torch.Tensor, weight_decay: float, trust_coefficient: float, eps: float
 ) -> torch.Tensor:
     """`tc * ||w|| / (||g|| + wd * ||w|| + eps)` where both norms are > 0, else 1; no host sync."""
     ratio = trust_coefficient * weight_norm / (grad_norm + weight_decay * weight_norm + eps)
     return torch.where((weight_norm > 0) & (grad_norm > 0), ratio, torch.ones_like(ratio))
-
-
-def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norms of a list of same-device, same-dtype tensors, as one 1-D tensor."""
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=_norm_dtype(tensors[0])))
 
 
 class LARS(Optimizer):
@@ -104,55 +100,81 @@ class LARS(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = []
         for group in self.param_groups:
-            params, grads, bufs = [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LARS does not support sparse gradients; use dense gradients")
-                params.append(p)
-                grads.append(p.grad)
-                bufs.append(self.state[p].get("momentum_buffer"))
+            params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            foreach = group["foreach"] if group["foreach"] is not None else params[0].is_cuda
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("LARS does not support sparse gradients; use dense gradients")
+            work.append((group, params, shard_group(params)))
+        ratios = _trust_ratios(
+            work, _weights_and_grads, lambda g: (g["weight_decay"], g["trust_coefficient"], g["eps"])
+        )
+        for (group, params, _), group_ratios in zip(work, ratios):
+            bufs = [self.state[p].get("momentum_buffer") for p in params]
+            local_bufs = [local(b) if b is not None else None for b in bufs]
+            p_local, g_local = [local(p) for p in params], [local(p.grad) for p in params]
+            foreach = group["foreach"] if group["foreach"] is not None else p_local[0].is_cuda
             update = _lars_foreach if foreach else _lars_single_tensor
-            update(params, grads, bufs, group)
+            update(p_local, g_local, local_bufs, group, group_ratios)
             if group["momentum"] > 0:
-                for p, buf in zip(params, bufs):
-                    self.state[p]["momentum_buffer"] = buf
+                for p, buf, new in zip(params, bufs, local_bufs):
+                    self.state[p]["momentum_buffer"] = buf if buf is not None else like(p, new)
         return loss
 
 
-def _lars_single_tensor(params, grads, bufs, group) -> None:
+def _trust_ratios(work: list[tuple], tensors_of, coefficients) -> list[torch.Tensor | None]:
+    """The trust ratios of each item of `work` (a param group, its parameters with gradients, their shard group,
+    ...) whose group has lars on (None for the others), from the norms of the two lists `tensors_of(item)` gives
+    (the weights, and what r compares them with), all in one `whole_norms` call: one all-reduce per step for
+    sharded parameters. `coefficients(group)`: (weight decay, trust coefficient, eps) of the ratio."""
+    scaled = [item for item in work if item[0].get("lars", True)]
+    shards = {item[2] for item in scaled}
+    if len(shards) > 1:
+        raise ValueError("the optimizer holds sharded and whole parameters in different groups; shard all or none")
+    norms = iter(
+        whole_norms([tensors for item in scaled for tensors in tensors_of(item)], shards.pop() if shards else None)
+    )
+    on = {id(item) for item in scaled}
+    return [trust_ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in on else None for item in work]
+
+
+def _weights_and_grads(item: tuple) -> list[list[torch.Tensor]]:
+    params = item[1]
+    return [[local(p) for p in params], [local(p.grad) for p in params]]
+
+
+def _lars_single_tensor(params, grads, bufs, group, ratios) -> None:
     momentum, wd = group["momentum"], group["weight_decay"]
-    scales = _step_scales(params, grads, group)
+    scales = _step_scales(ratios, group, params[0], len(params))
     for i, (p, g, scale) in enumerate(zip(params, grads, scales)):
-        d = torch.add(g, p, alpha=wd) if wd != 0 else g.clone()
-        d.mul_(scale)  # d = lr * r * (g + wd * w)
+        d = torch.add(g, p, alpha=wd) if wd != 0 else g  # g + wd * w, scaled by lr * r where it is used
         if momentum == 0:
-            p.sub_(d)
+            p.sub_(d * scale)
             continue
         buf = bufs[i]
         if buf is None:
-            bufs[i] = buf = d.clone()
+            bufs[i] = buf = d * scale
         else:
-            buf.mul_(momentum).add_(d)
+            buf.mul_(momentum).addcmul_(d, scale)  # one pass: v = momentum * v + lr * r * d
         if group["nesterov"]:
-            p.sub_(d).sub_(buf, alpha=momentum)
+            p.sub_(d * scale).sub_(buf, alpha=momentum)
         else:
             p.sub_(buf)
 
 
-def _lars_foreach(params, grads, bufs, group) -> None:
+def _lars_foreach(params, grads, bufs, group, ratios) -> None:
     momentum, wd = group["momentum"], group["weight_decay"]
     grouped = Optimizer._group_tensors_by_device_and_dtype([params, grads, bufs], with_indices=True)
     for (_device, _dtype), ((dev_params, dev_grads, dev_bufs), indices) in grouped.items():
         # Once every buffer exists, v = momentum * v + d is one pass as lerp(v, d / (1 - momentum), 1 - momentum),
         # with 1 / (1 - momentum) folded into the per-tensor scales: two fewer passes over memory per step.
         as_lerp = 0 < momentum and not group["nesterov"] and all(buf is not None for buf in dev_bufs)
-        scales = _step_scales(dev_params, dev_grads, group, 1 / (1 - momentum) if as_lerp else 1.0)
+        mine = None
+        if ratios is not None:
+            mine = ratios if len(indices) == len(params) else ratios[torch.tensor(indices, device=ratios.device)]
+        scales = _step_scales(mine, group, dev_params[0], len(dev_params), 1 / (1 - momentum) if as_lerp else 1.0)
         d = torch._foreach_add(dev_grads, dev_params, alpha=wd) if wd != 0 else torch._foreach_mul(dev_grads, 1.0)
         torch._foreach_mul_(d, scales)
         if as_lerp:
@@ -177,14 +199,12 @@ def _lars_foreach(params, grads, bufs, group) -> None:
             torch._foreach_sub_(dev_params, dev_bufs)
 
 
-def _step_scales(params, grads, group, factor: float = 1.0) -> list[torch.Tensor]:
-    """factor * lr * r for every parameter, as 0-d tensors of the parameters' dtype (r = 1 where lars is off)."""
+def _step_scales(ratios, group, like: torch.Tensor, count: int, factor: float = 1.0) -> list[torch.Tensor]:
+    """factor * lr * r for each of `count` parameters, as 0-d tensors of their dtype (r = 1 where lars is off)."""
     lr = group["lr"] * factor
-    if not group["lars"]:
-        one = torch.full((), lr, dtype=params[0].dtype, device=params[0].device)
-        return [one] * len(params)
-    ratios = trust_ratio(_norms(params), _norms(grads), group["weight_decay"], group["trust_coefficient"], group["eps"])
-    return (ratios * lr).to(params[0].dtype).unbind(0)
+    if ratios is None:
+        return [torch.full((), lr, dtype=like.dtype, device=like.device)] * count
+    return (ratios * lr).to(like.dtype).unbind(0)
 
 
 class LARSWrapper(WrappedOptimizer):
@@ -222,22 +242,24 @@ class LARSWrapper(WrappedOptimizer):
         saved_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         saved_decays: list[tuple[dict, float]] = []
         try:
+            work = []
             for group in self.param_groups:
-                if not group.get("lars", True):
-                    continue
                 params = [p for p in group["params"] if p.grad is not None]
-                if not params:
+                if not group.get("lars", True) or not params:
                     continue
                 if any(p.grad.is_sparse for p in params):
                     raise RuntimeError("LARSWrapper does not support sparse gradients; use dense gradients")
+                work.append((group, params, shard_group(params)))
+            coefficients = lambda g: (g.get("weight_decay", 0.0), self.trust_coefficient, self.eps)  # noqa: E731
+            ratios = _trust_ratios(work, _weights_and_grads, coefficients)
+            for (group, params, _), group_ratios in zip(work, ratios):
                 wd = group.get("weight_decay", 0.0)
-                grads = [p.grad for p in params]
-                ratios = trust_ratio(_norms(params), _norms(grads), wd, self.trust_coefficient, self.eps)
-                scaled = torch._foreach_add(grads, params, alpha=wd) if wd != 0 else torch._foreach_mul(grads, 1.0)
-                torch._foreach_mul_(scaled, ratios.to(params[0].dtype).unbind(0))
+                p_local, g_local = [local(p) for p in params], [local(p.grad) for p in params]
+                scaled = torch._foreach_add(g_local, p_local, alpha=wd) if wd != 0 else torch._foreach_mul(g_local, 1.0)
+                torch._foreach_mul_(scaled, group_ratios.to(p_local[0].dtype).unbind(0))
                 for p, new_grad in zip(params, scaled):
                     saved_grads.append((p, p.grad))
-                    p.grad = new_grad
+                    p.grad = like(p.grad, new_grad)
                 if "weight_decay" in group:
                     saved_decays.append((group, wd))
                     group["weight_decay"] = 0.0

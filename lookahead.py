@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from ddp_tricks.shards import local
 from ddp_tricks.wrapped_optimizer import WrappedOptimizer
 
 
@@ -68,9 +69,9 @@ class Lookahead(WrappedOptimizer):
         if self.capturable:
             self._sync_on_device()
         elif self.lookahead_step % self.k == 0:
-            fast = self._params()
-            torch._foreach_lerp_(self.slow, fast, self.alpha)
-            torch._foreach_copy_(fast, self.slow)
+            fast, slow = [local(p) for p in self._params()], [local(s) for s in self.slow]  # sharded: the slices
+            torch._foreach_lerp_(slow, fast, self.alpha)
+            torch._foreach_copy_(fast, slow)
         return loss
 
     def _sync_on_device(self) -> None:
@@ -79,14 +80,14 @@ class Lookahead(WrappedOptimizer):
         what the branch does."""
         self._device_step.add_(1)
         due = torch.remainder(self._device_step, self.k) == 0
-        fast = self._params()
+        fast, slow = [local(p) for p in self._params()], [local(s) for s in self.slow]
         alpha, sync = {}, {}
         for p in fast:
             if p.dtype not in sync:  # lerp wants its weight in the tensor's dtype
                 sync[p.dtype] = due.to(p.dtype)
                 alpha[p.dtype] = sync[p.dtype] * self.alpha
-        torch._foreach_lerp_(self.slow, fast, [alpha[p.dtype] for p in fast])
-        torch._foreach_lerp_(fast, self.slow, [sync[p.dtype] for p in fast])
+        torch._foreach_lerp_(slow, fast, [alpha[p.dtype] for p in fast])
+        torch._foreach_lerp_(fast, slow, [sync[p.dtype] for p in fast])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -113,7 +114,7 @@ class Lookahead(WrappedOptimizer):
         super().load_state_dict(state_dict)
         with torch.no_grad():
             for slow, value in zip(self.slow, saved["slow"]):
-                slow.copy_(value)
+                local(slow).copy_(local(value))
         self.lookahead_step = int(saved["step"])
         if self._device_step is not None:
             self._device_step.fill_(self.lookahead_step)

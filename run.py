@@ -29,7 +29,7 @@ from customized_function import EarlyStopping, same_seeds, use_deterministic_alg
 from ddp_tricks import models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, launch, wrap
+from ddp_tricks.distributed import collectives, fsdp, launch, wrap
 from ddp_tricks.distributed.preemption import Preemption
 from ddp_tricks.errors import UserError, report
 from ddp_tricks.optim import build as optimizers
@@ -80,17 +80,18 @@ def run(flags, task, process: launch.Launch) -> int:
     model = task.model()
     collate = getattr(task, "collate", None)  # the task's own batching (padding sequences, say), when it has one
     sum_names = seam.check_task(task, model, train_set, collate)  # also initialises lazy modules
+    units = fsdp.shard_units(task, model) if flags.strategy == "fsdp" else []  # what is sharded as one
     plan = make_plan(flags, len(train_set), process.world_size)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
-    resume_from = checkpoint.resume_path(flags.resume, flags.run_dir)
-    state = checkpoint.load(resume_from) if resume_from else None
+    resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
+    state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
     if state is not None:
-        checkpoint.restore_model(model, state, str(resume_from))
+        checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
     run_folder.check(Path(flags.run_dir), resume=continues, overwrite=flags.overwrite)
 
-    dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout)
-    t = build_training(flags, task, model, sum_names, plan, dist)
+    dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, group=flags.strategy == "fsdp")
+    t = build_training(flags, task, model, sum_names, plan, dist, units)
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     collectives.require_same(
@@ -143,7 +144,7 @@ def run(flags, task, process: launch.Launch) -> int:
 def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, folder, preemption) -> int:
     """Epochs of train -> evaluate -> decide -> checkpoint -> log, from where the state stands."""
     every = flags.checkpoint_every_steps
-    checkpoints = checkpoint.Checkpoints(folder.path, t.rank == 0, every, preemption, vars(flags))
+    checkpoints = checkpoint.Checkpoints(folder.path, t.rank == 0, every, preemption, vars(flags), flags.strategy)
     for epoch in range(t.completed_epochs + 1, flags.epochs + 1):
         steps = plan.epoch(epoch, t.rank, first_trace_step=t.global_step - t.step_in_epoch)
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
@@ -210,12 +211,15 @@ def make_plan(flags, num_train: int, world_size: int) -> planning.Plan:
     )
 
 
-def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: launch.Dist) -> Training:
-    """The model on its device and wrapped, the optimizer, the schedule, precision, best and early stopping."""
+def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: launch.Dist, units) -> Training:
+    """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer, the schedule, precision, best
+    and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms()
     memory_format = torch.channels_last if flags.channels_last else torch.preserve_format
     model = model.to(dist.device, memory_format=memory_format)
+    if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
+        model = fsdp.shard(model, units, flags.amp)
     optimizer = optimizers.build(  # DDP and SyncBN keep these Parameter objects
         model,
         flags.optimizer,
@@ -236,7 +240,7 @@ def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: lau
         from apex import amp as apex_amp
 
         model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O1")  # before DDP
-    if not plan.traced:  # a traced run reduces its gradients itself (batch_trace.TraceReduction)
+    if not plan.traced and flags.strategy == "ddp":  # a traced run reduces its gradients itself (TraceReduction)
         model = wrap.wrap(
             model,
             dist,
@@ -259,7 +263,7 @@ def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: lau
         make_schedule(flags, plan, optimizer, mode),
         task,
         sum_names,
-        Precision(flags.amp, dist.device, apex_amp),
+        Precision(flags.amp, dist.device, apex_amp, sharded=flags.strategy == "fsdp"),
         dist.device,
         clip_grad_norm=flags.clip_grad_norm,
         channels_last=flags.channels_last,

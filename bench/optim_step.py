@@ -105,18 +105,6 @@ def make_params(shapes, device):
     return params
 
 
-def median_step_seconds(make, shapes, device, repeats: int, warmup: int = 5) -> float:
-    """CPU: the median of single steps' wall times."""
-    opt = make(make_params(shapes, device))
-    times = []
-    for i in range(warmup + repeats):
-        start = time.perf_counter()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def cuda_seconds(run, repeats: int, rounds: int = 5) -> float:
     """CUDA: the median over rounds of (CUDA-event time of `repeats` back-to-back calls) / repeats."""
     times = []
@@ -159,13 +147,26 @@ def copy_bandwidth_gbps(device, megabytes: int = 1024) -> float:
     return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
+def interleaved_step_seconds(makers: dict, shapes, device, repeats: int, warmup: int = 5) -> dict[str, float]:
+    """CPU: every optimizer steps once per round, the order reversed every other round, so the machine's drift
+    (a shared CPU) falls on all of them alike; the median of each one's step times."""
+    optimizers = {name: make(make_params(shapes, device)) for name, make in makers.items()}
+    times = {name: [] for name in optimizers}
+    order = list(optimizers)
+    for round_ in range(warmup + repeats):
+        for name in order if round_ % 2 else order[::-1]:
+            start = time.perf_counter()
+            optimizers[name].step()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench_cpu(args, device) -> dict:
     summary = {}
     for model_name in ("resnet50", "resnet18"):
         shapes = [p.shape for p in getattr(torchvision.models, model_name)().parameters()]
-        times = {
-            name: median_step_seconds(make, shapes, device, args.repeats) for name, make in cpu_optimizers().items()
-        }
+        times = interleaved_step_seconds(cpu_optimizers(), shapes, device, args.repeats)
         sgd_time = min(times["sgd_foreach"], times["sgd_per_tensor"])
         print(f"\n{model_name} ({len(shapes)} tensors): ratio to the faster torch SGD ({sgd_time * 1e3:.2f} ms)")
         for name, seconds in times.items():
@@ -222,7 +223,9 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.exit(2, f"error: --device {args.device} asked for, but torch sees no CUDA device; use --device cpu\n")
     torch.set_num_threads(args.threads)
-    timing = f"median of {args.repeats} steps" if device.type == "cpu" else f"{args.repeats} steps x 5 rounds"
+    timing = (
+        f"median of {args.repeats} interleaved steps" if device.type == "cpu" else f"{args.repeats} steps x 5 rounds"
+    )
     print(f"torch {torch.__version__}, device {device}, {args.threads} thread(s), {timing}")
     summary = bench_cuda(args, device) if device.type == "cuda" else bench_cpu(args, device)
     print(json.dumps({"torch": torch.__version__, "device": str(device)} | summary))

@@ -44,6 +44,11 @@ ONLY_WITH = (
         "--batch-lr-rule linear or --batch-lr-rule root (or a trace with --lr-scaling linear or sqrt)",
     ),
     (("early_stop_delta",), lambda cfg: cfg.early_stop_patience > 0, "--early-stop-patience N"),
+    (
+        ("static_graph", "bucket_cap_mb", "find_unused_parameters"),
+        lambda cfg: cfg.strategy == "ddp",
+        "--strategy ddp",
+    ),
     (("prefetch_factor",), lambda cfg: cfg.workers > 0, "--workers N"),
     (("base_batch_size",), lambda cfg: cfg.lr_scaling != "keep", "--lr-scaling linear or --lr-scaling sqrt"),
 )
@@ -147,6 +152,8 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
         raise UserError("--backend nccl needs CUDA devices; use --backend gloo with --device cpu")
     if cfg.sync_bn and _launch_world_size() > 1 and _runs_on_cpu(cfg):
         raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")
+    if cfg.strategy == "fsdp":
+        _check_fsdp(cfg)
     if cfg.amp_backend == "apex":
         _check_apex()
     if cfg.tensorboard:
@@ -174,3 +181,16 @@ def _check_apex() -> None:
             "--amp-backend apex needs NVIDIA Apex with apex.amp (removed from Apex in release 25.07); "
             "use native mixed precision: --amp fp16 or --amp bf16"
         ) from None
+
+
+def _check_fsdp(cfg: argparse.Namespace) -> None:
+    """What sharded training does not do, and why."""
+    if cfg.batch_trace:
+        raise UserError(
+            "--strategy fsdp does not take --batch-trace: a traced run sums its ranks' gradients itself, while FSDP "
+            "reduce-scatters them as it goes; use --strategy ddp for a batch trace"
+        )
+    if cfg.sync_bn:
+        raise UserError("--sync-bn converts BatchNorm for DistributedDataParallel; drop it with --strategy fsdp")
+    if cfg.amp_backend == "apex":
+        raise UserError("--amp-backend apex wraps the whole model before DDP; use --amp with --strategy fsdp")

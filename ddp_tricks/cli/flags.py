@@ -183,6 +183,13 @@ def _run_flags(g: argparse._ArgumentGroup) -> None:
 
 def _launch_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
+        "--strategy",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="ddp: every rank holds the whole model (DistributedDataParallel); fsdp: the model, its gradients and "
+        "the optimizer state sharded over the ranks (FSDP2), for a model that outgrows one GPU",
+    )
+    g.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",

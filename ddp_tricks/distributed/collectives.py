@@ -25,6 +25,14 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest `value` over the ranks (the value itself for one process)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def any_rank(flag: bool, device: torch.device, group=None) -> bool:
     """True on every rank when it is true on any rank: one decision that no rank waits behind.
 

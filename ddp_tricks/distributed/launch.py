@@ -78,15 +78,21 @@ def choose_device(device_flag: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def setup(launch: Launch, device_flag: str = "auto", backend_flag: str = "auto", timeout_s: float = 600) -> Dist:
-    """Pick the device, and join the process group when launched by torchrun or the legacy launcher."""
+def setup(
+    launch: Launch, device_flag: str = "auto", backend_flag: str = "auto", timeout_s: float = 600, group: bool = False
+) -> Dist:
+    """Pick the device, and join the process group when launched by torchrun or the legacy launcher. `group`: a
+    single process gets a process group of its own too (FSDP shards over a mesh, even a mesh of one)."""
     device = choose_device(device_flag, launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not launch.is_distributed:
+    if not launch.is_distributed and not group:
         return Dist(0, 1, 0, device, None)
     backend = backend_flag if backend_flag != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
+    if not launch.is_distributed:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return Dist(0, 1, 0, device, backend, dist.new_group(backend="gloo"))
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun keeps one store across restarts; without a per-attempt prefix, a restarted rank can read the
     # address that a killed rank of the previous attempt published, and gloo then waits on a dead port.

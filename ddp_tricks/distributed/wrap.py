@@ -1,5 +1,5 @@
-"""The model wrapped for data parallelism (SyncBatchNorm on request, then DistributedDataParallel), and the one
-way the loop keeps a backward's gradients local while it accumulates micro-batches."""
+"""The model wrapped for data parallelism (SyncBatchNorm on request, then DistributedDataParallel; sharding is
+fsdp.py's), and the one way the loop keeps a backward's gradients local while it accumulates micro-batches."""
 
 from __future__ import annotations
 
@@ -22,7 +22,19 @@ def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, **ddp_options
 
 def accumulating(model: torch.nn.Module):
     """A context in which a backward pass does not reduce gradients across ranks (the step's last micro-batch
-    does): DDP's `no_sync()`; a model with no reducer of its own needs nothing."""
+    does): DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync(False)` (no reduce-scatter before the last
+    micro-batch); a model with no reducer of its own needs nothing."""
     if hasattr(model, "no_sync"):
         return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _without_gradient_sync(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

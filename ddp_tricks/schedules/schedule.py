@@ -25,9 +25,15 @@ class Schedule:
 
     def step(self, progress: float = 1.0) -> None:
         """One optimizer step taken; AdaScale advances the schedule by its gain r instead of 1."""
-        if self.plateau is None or self.warming_up:
-            self.per_step.last_epoch += progress - 1
-            self.per_step.step()
+        if self.plateau is not None and not self.warming_up:
+            return
+        curve = self.per_step
+        if getattr(curve, "decay", None) == "constant" and not self.warming_up:
+            curve.last_epoch += progress  # the LR stays the base LR: count the step, skip the scheduler's work
+            curve._step_count += 1
+            return
+        curve.last_epoch += progress - 1
+        curve.step()
 
     def epoch_end(self, monitored: float) -> None:
         if self.plateau is not None and not self.warming_up:

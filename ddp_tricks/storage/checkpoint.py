@@ -1,12 +1,10 @@
-"""Checkpoints: when they are written (`Checkpoints`: after every epoch, every K steps, on an agreed SIGTERM), atomic
-save (temporary file, fsync, os.replace, the usual file permissions), safe load (`weights_only=True`), and which
-file `--resume` means. What one holds is the training state's `state_dict()` (training/state.py).
+"""Checkpoints: when they are written (`Checkpoints`: after every epoch, every K steps, on an agreed SIGTERM), as a
+file (last.pt, best.pt; atomic, files.py) or sharded (last.dcp, sharded.py), safe loads (`weights_only=True`),
+and which checkpoint `--resume` means. What one holds is the training state's `state_dict()` (training/state.py).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,35 +12,21 @@ from typing import Any
 import torch
 
 from ddp_tricks.errors import UserError
+from ddp_tricks.storage import sharded
+from ddp_tricks.storage.files import save
 
 
-def save(state: dict[str, Any], path: str | Path) -> None:
-    """Write `state` to `path` atomically: a crash mid-write leaves the previous file intact. The file gets
-    the permissions the umask gives any new file (mkstemp's own are 0600)."""
+def load(path: str | Path, strategy: str = "ddp") -> dict[str, Any]:
+    """Read a checkpoint without running any code from it: a last.pt/best.pt file (--strategy ddp), or a sharded
+    checkpoint's folder (fsdp; its sharded tensors still placeholders, see sharded.fill). A bad file, or one of
+    the other strategy, is a UserError naming it."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0o022)  # reading the umask means setting it: put it back at once
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def load(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint without running any code from it; a bad file is a UserError naming it."""
-    path = Path(path)
+    if path.is_dir():
+        if strategy != "fsdp":
+            raise UserError(
+                f"checkpoint {str(path)!r} is sharded (written by --strategy fsdp): resume it with --strategy fsdp"
+            )
+        return sharded.read(path)
     if not path.is_file():
         raise UserError(
             f"checkpoint {str(path)!r} does not exist: give the path of a last.pt/best.pt, or --resume auto"
@@ -57,22 +41,42 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{not_ours} (or is corrupt); {fix}") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"{not_ours} (it has no model/epoch entries); {fix}")
+    if strategy == "fsdp" and path.suffix == ".pt":
+        what = "the weights only" if "optimizer" not in state else "a whole state written by --strategy ddp"
+        raise UserError(
+            f"checkpoint {str(path)!r} holds {what}; --strategy fsdp resumes a sharded checkpoint (runs/<name>/"
+            f"{sharded.LINK}): resume this one with --strategy ddp, or give the sharded one"
+        )
     return state
 
 
-def resume_path(resume: str | None, run_dir: str | Path) -> Path | None:
-    """`--resume auto` means run_dir/last.pt when it exists; a PATH is taken as given."""
+def resume_path(resume: str | None, run_dir: str | Path, strategy: str = "ddp") -> Path | None:
+    """`--resume auto` means the run's last checkpoint when it exists (last.pt; sharded: last.dcp); a PATH is
+    taken as given."""
     if resume is None:
         return None
     if resume == "auto":
-        last = Path(run_dir) / "last.pt"
-        return last if last.is_file() else None
+        ours, theirs = ("last.pt", sharded.LINK) if strategy == "ddp" else (sharded.LINK, "last.pt")
+        last, other = Path(run_dir) / ours, Path(run_dir) / theirs
+        if not last.exists() and other.exists():
+            raise UserError(
+                f"{str(other)!r} was written by --strategy {'fsdp' if strategy == 'ddp' else 'ddp'}: resume that "
+                f"run with the strategy it was trained with"
+            )
+        return last.resolve() if last.exists() else None
     return Path(resume)
 
 
 def restore_model(model: torch.nn.Module, state: dict, source: str) -> None:
+    """The checkpoint's weights into the model (before it is wrapped), or for a sharded checkpoint, its shapes
+    held against the model's: weights of another model are a UserError before any process group."""
     try:
-        model.load_state_dict(state["model"])
+        if any(isinstance(v, dict) for v in state["model"].values()):  # sharded: placeholders say the shapes
+            mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            if mine != sharded.model_shapes(state):
+                raise RuntimeError("shapes")
+        else:
+            model.load_state_dict(state["model"])
     except RuntimeError:
         saved = state.get("config", {}).get("model", "another model")
         raise UserError(
@@ -82,29 +86,51 @@ def restore_model(model: torch.nn.Module, state: dict, source: str) -> None:
 
 
 class Checkpoints:
-    """Where and when a run writes `last.pt` (and `best.pt`): after every epoch, every `every_steps` optimizer
-    steps mid-epoch, and when every rank has agreed to stop after SIGTERM. Every rank calls; rank 0 writes."""
+    """Where and when a run writes its checkpoint (last.pt; sharded: last.dcp) and best.pt: after every epoch,
+    every `every_steps` optimizer steps mid-epoch, and when every rank has agreed to stop after SIGTERM. Every
+    rank calls; rank 0 writes a file, every rank its slices of a sharded checkpoint."""
 
-    def __init__(self, folder: Path, is_main: bool, every_steps: int, preemption, config: dict):
+    def __init__(self, folder: Path, is_main: bool, every_steps: int, preemption, config: dict, strategy: str = "ddp"):
         self.folder = Path(folder)
         self.is_main = is_main
         self.every_steps = every_steps
         self.preemption = preemption
+        self.strategy = strategy
         self.config = {k: v for k, v in config.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
     def save(self, t, also_best: bool = False) -> None:
-        """The training state `t` into last.pt (atomically), and best.pt too; never non-finite weights over the
-        last good ones."""
+        """The training state `t` into the run's checkpoint (atomically), and best.pt too; never non-finite
+        weights over the last good ones. A sharded run's best.pt holds the whole model's weights only."""
         t.raise_if_nonfinite(check_weights=True)
-        state = t.state_dict() | {"config": self.config, "torch_version": str(torch.__version__)}
+        meta = {"config": self.config, "torch_version": str(torch.__version__), "strategy": self.strategy}
+        if self.strategy == "fsdp":
+            sharded.save(t.state_dict() | meta, self.folder, self._name(t), self.is_main)
+            if also_best:
+                weights = sharded.full_weights(t.raw_model)  # a collective: gathered on rank 0
+                if self.is_main:
+                    best = {"model": weights, "epoch": t.completed_epochs, "best": t.best.state_dict()} | meta
+                    save(best, self.folder / "best.pt")
+            return
+        state = t.state_dict() | meta
         if self.is_main:
             save(state, self.folder / "last.pt")
             if also_best:
                 save(state, self.folder / "best.pt")
 
+    def _name(self, t) -> str:
+        """A new folder name for a sharded checkpoint, the same on every rank (rank 0's, broadcast)."""
+        import torch.distributed as dist
+
+        base, n = f"step-{t.global_step:09d}", 1
+        while (self.folder / sharded.FOLDER / f"{base}-{n}").exists():
+            n += 1
+        chosen = [f"{base}-{n}"]
+        dist.broadcast_object_list(chosen, src=0)
+        return chosen[0]
+
     def after_step(self, t) -> bool:
         """After every optimizer step: the mid-epoch checkpoint when due, and the stop every rank agrees on after
-        SIGTERM (True: stop now, last.pt written)."""
+        SIGTERM (True: stop now, the checkpoint written)."""
         stop = self.preemption.agreed()
         if stop or (self.every_steps and t.global_step % self.every_steps == 0):
             self.save(t)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ddp_tricks.data.loaders import seed_epoch
-from ddp_tricks.distributed.collectives import all_reduce_sum, any_rank, broadcast_buffers
+from ddp_tricks.distributed.collectives import all_reduce_sum, any_rank, broadcast_buffers, max_over_ranks
 from ddp_tricks.distributed.wrap import accumulating
 from ddp_tricks.plan import Step
 from ddp_tricks.training import precise_bn
@@ -136,7 +136,8 @@ def train_one_epoch(
         for k, (inputs, targets, samples, units, weight) in enumerate(micro_batches(t, step, batches, units_of)):
             with contextlib.nullcontext() if k == last else accumulating(t.model):  # gradients reduced on the last
                 outputs, loss = forward(t, t.model, inputs, targets)
-                t.precision.backward(loss * weight, t.optimizer)
+                whole = type(weight) is float and weight == 1.0  # a step of one micro-batch: no multiply, no sync
+                t.precision.backward(loss if whole else loss * weight, t.optimizer)
             if t.reduction is not None:
                 t.reduction.after_backward(weight)
             with torch.no_grad():
@@ -216,10 +217,12 @@ def recompute_bn_stats(t: Training, loader, steps: list, samples: int, micro_bat
     return precise_bn.recompute(t.raw_model, inputs, batches, t.precision.autocast)
 
 
+@torch.no_grad()
 def evaluate(t: Training, loader) -> dict[str, float]:
     """The task's loss and metrics over the validation set, each sample counted once across ranks (sums and
     counts). Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward
-    would wait for the others."""
+    would wait for the others. A sharded model's forward gathers from every rank, so there a rank with fewer
+    batches runs its first one again, uncounted, until every rank has run as many."""
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
     model.eval()
@@ -231,5 +234,10 @@ def evaluate(t: Training, loader) -> dict[str, float]:
         outputs, loss = forward(t, model, inputs, targets)
         sums[:-1] += batch_sums(t, outputs, targets, loss, units)
         sums[-1] += units
+    if t.sharded:
+        for _ in range(max_over_ranks(len(loader), t.device) - len(loader)):
+            inputs, _ = next(iter(loader))
+            with t.precision.autocast():
+                model(to_device(inputs, t.device, t.channels_last))
     *total, units = all_reduce_sum(sums).tolist()
     return report(t.task, t.sum_names, "val", total, units)

@@ -1,5 +1,6 @@
 """Mixed precision as one object: autocast for the forward pass, and the backward pass and optimizer step with
-fp16's GradScaler (unscale before clipping, a skipped step reported), bf16 (no scaler), or NVIDIA Apex's amp.
+fp16's GradScaler (unscale before clipping, a skipped step reported; sharded: one that agrees across the ranks),
+bf16 (no scaler), or NVIDIA Apex's amp.
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 class Precision:
     """`autocast()` around the forward, `backward(loss)`, then `step(optimizer, ...)` once per optimizer step."""
 
-    def __init__(self, mode: str, device: torch.device, apex_amp=None):
+    def __init__(self, mode: str, device: torch.device, apex_amp=None, sharded: bool = False):
         self.device = device
         self.apex_amp = apex_amp  # apex.amp, already initialised on the model and optimizer (before DDP)
         self.dtype = None if apex_amp is not None else DTYPES[mode]
-        self.scaler = torch.amp.GradScaler(device.type) if mode == "fp16" and apex_amp is None else None
+        self.scaler = None
+        if mode == "fp16" and apex_amp is None:
+            # sharded gradients: each rank sees an inf only in its slices; this scaler agrees on it across the ranks
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(device.type)
 
     @property
     def skips_nonfinite(self) -> bool:

@@ -15,8 +15,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from customized_function import EarlyStopping
 from ddp_tricks.distributed.collectives import gather_from_ranks, gather_objects
+from ddp_tricks.distributed.fsdp import is_sharded
 from ddp_tricks.errors import UserError
 from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.shards import local
+from ddp_tricks.storage import sharded
 from ddp_tricks.traces.batch_trace import TraceReduction
 from ddp_tricks.training.precision import Precision
 
@@ -114,6 +117,11 @@ class Training:
         return self.reduction.adascale if self.reduction is not None else None
 
     @property
+    def sharded(self) -> bool:
+        """--strategy fsdp: every forward gathers parameters from every rank, so all ranks run as many."""
+        return is_sharded(self.model)
+
+    @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
@@ -145,7 +153,8 @@ class Training:
         if self.on_nonfinite == "stop" and self.epoch_sums is not None:
             bad = ~torch.isfinite(self.epoch_sums[0])
         if check_weights:
-            state = [v for v in self.raw_model.state_dict().values() if v.is_floating_point()]
+            # sharded weights: each rank checks the slices it holds, and the flags below gather every rank's
+            state = [local(v) for v in self.raw_model.state_dict().values() if v.is_floating_point()]
             weights_bad = ~torch.stack([v.isfinite().all() for v in state]).all()
             bad = weights_bad if bad is None else bad | weights_bad
         if bad is None:
@@ -195,8 +204,13 @@ class Training:
         }
 
     def load_state_dict(self, state: dict, source: str) -> None:
-        """Everything but the model's weights (restored before wrapping, see checkpoint.restore_model). Where the
-        checkpoint followed another monitored metric, this run's best and early stopping start fresh."""
+        """Everything a checkpoint holds, the model's weights included. A sharded checkpoint's slices are read
+        here, cut to this run's shards (`source`: its folder). Where the checkpoint followed another monitored
+        metric, this run's best and early stopping start fresh."""
+        if self.sharded:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            state = sharded.fill(state, source, self.raw_model, params)
+        self.raw_model.load_state_dict(state["model"])
         saved, ours = state.get("optimizer_name"), describe_optimizer(self.optimizer)
         if saved != ours:
             raise UserError(

@@ -1,0 +1,152 @@
+"""Memory and speed of `--strategy fsdp` against `ddp`, measured in one run: for a model of a few million
+parameters at world sizes 1, 2 and 3, each rank's bytes of parameters + gradients + optimizer state (what the rank
+holds after a step) and the median time of a training step (forward, backward, reduction, optimizer), DDP and FSDP2
+side by side. The last line is one JSON object.
+
+    python bench/fsdp_memory.py [--optimizer lamb|adamw|lars] [--width 1024] [--steps 12] [--device cpu|cuda]
+
+On CPU the ranks are gloo processes on this machine; with --device cuda, one process per GPU on nccl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ddp_tricks.optim import build as optimizers  # noqa: E402
+from ddp_tricks.shards import local  # noqa: E402
+
+
+def model_of(width: int) -> nn.Module:
+    """Four blocks of two linear layers and a LayerNorm: 8 x width^2 parameters and change (8.4 M at 1024)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.LayerNorm(width))
+              for _ in range(4)]  # fmt: skip
+    return nn.Sequential(*blocks, nn.Linear(width, 10))
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (a shard's local slice where sharded)."""
+
+    def size(t: torch.Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    slow = getattr(optimizer, "slow", [])
+    return {
+        "parameters": sum(size(p) for p in params),
+        "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(size(v) for v in state) + sum(size(s) for s in slow),
+    }
+
+
+def worker(rank: int, world_size: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    result = {}
+    for strategy in ("ddp", "fsdp"):
+        model = model_of(args.width).to(device)
+        if strategy == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (world_size,))
+            for block in model:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            wrapped = model
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        optimizer = optimizers.build(model, args.optimizer, lr=1e-3, weight_decay=0.01)
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(args.batch, args.width, generator=generator).to(device)
+        y = torch.randint(0, 10, (args.batch,), generator=generator).to(device)
+        times = []
+        for step in range(args.steps + 2):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            optimizer.step()
+            if step == args.steps + 1:
+                memory = held_bytes(model, optimizer)  # gradients still held: what a step needs at its peak
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step >= 2:  # two warm-up steps
+                times.append(time.perf_counter() - start)
+        result[strategy] = {"bytes": memory, "step_seconds": statistics.median(times)}
+        del wrapped, model, optimizer
+    if rank == 0:
+        queue.put(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimizer", choices=("lamb", "adamw", "lars", "sgd"), default="lamb")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3])
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    rows = {}
+    for world_size in args.world_sizes:
+        queue = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [ctx.Process(target=worker, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        rows[world_size] = json.loads(queue.get(timeout=900))
+        for p in procs:
+            p.join(timeout=60)
+    params = sum(p.numel() for p in model_of(args.width).parameters())
+    print(f"torch {torch.__version__}, {args.device}, {args.optimizer}, {params / 1e6:.2f} M parameters, batch "
+          f"{args.batch} per rank, median of {args.steps} steps")  # fmt: skip
+    header = "world | DDP MB per rank (param+grad+optim) | FSDP MB per rank | FSDP / DDP bytes | 1 / world"
+    print(f"{header} | FSDP / DDP step time")
+    summary = {}
+    for world_size, r in rows.items():
+        ddp, fsdp = (sum(r[s]["bytes"].values()) for s in ("ddp", "fsdp"))
+        ratio, time_ratio = fsdp / ddp, r["fsdp"]["step_seconds"] / r["ddp"]["step_seconds"]
+        print(f"{world_size:5d} | {ddp / 2**20:34.1f} | {fsdp / 2**20:16.1f} | {ratio:16.3f} | {1 / world_size:9.3f} "
+              f"| {time_ratio:20.2f}")  # fmt: skip
+        summary[world_size] = {
+            "ddp_bytes": ddp,
+            "fsdp_bytes": fsdp,
+            "bytes_ratio": round(ratio, 4),
+            "step_time_ratio": round(time_ratio, 3),
+            "ddp_step_s": r["ddp"]["step_seconds"],
+            "fsdp_step_s": r["fsdp"]["step_seconds"],
+        }
+    print(json.dumps({"optimizer": args.optimizer, "parameters": params, "device": args.device, "worlds": summary}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Sharded tensors for the optimizers: FSDP2 holds each parameter as a DTensor, every rank a slice of it. The
+optimizers update the slices in place (`local`), keep their state sharded like the parameter (`like`), and get
+the norm of each WHOLE tensor from the slices' squared norms, summed across the ranks in one all-reduce for all
+the tensors of a step (`whole_norms`). Whole (unsharded) tensors pass through every function unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support: nothing can be sharded
+    DTensor = ()
+
+
+def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
+    return torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's local slice (sharing its storage), else the tensor."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def shard_group(params: list[torch.Tensor]):
+    """The process group over which `params` are sharded (None: whole tensors). One group's tensors are all
+    sharded or all whole."""
+    sharded = [isinstance(p, DTensor) for p in params]
+    if not any(sharded):
+        return None
+    if not all(sharded):
+        raise ValueError("a parameter group mixes sharded (DTensor) and whole parameters; keep them in separate groups")
+    return params[0].device_mesh.get_group()
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (a local slice) as a tensor like `param`: a DTensor sharded as it is, or `value` itself."""
+    if not isinstance(param, DTensor):
+        return value
+    mesh, placements = param.device_mesh, param.placements
+    return DTensor.from_local(value, mesh, placements, shape=param.shape, stride=param.stride(), run_check=False)
+
+
+def whole_norms(lists: list[list[torch.Tensor]], group=None) -> list[torch.Tensor]:
+    """The 2-norm of every tensor in `lists` (one 1-D tensor per list). The tensors are whole ones, or this rank's
+    slices of tensors sharded over `group`: then the squared norms of all the slices of all the lists are summed
+    across the ranks in one all-reduce, whatever the number of tensors. No host sync."""
+    norms = [torch.stack(torch._foreach_norm(tensors, 2, dtype=_norm_dtype(tensors[0]))) for tensors in lists]
+    if group is None or not norms:
+        return norms
+    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    squares = torch.cat([n.to(dtype) for n in norms]).square()
+    dist.all_reduce(squares, group=group)
+    return [part.sqrt().to(n.dtype) for part, n in zip(squares.split([len(n) for n in norms]), norms)]
