@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from ddp_tricks.shards import local, shard_group
-from lars import _trust_ratios
+from ddp_tricks.shards import local, shard_group, trust_ratios
+from lars import trust_ratio
 
 
 class LAMB(Optimizer):
@@ -109,7 +109,7 @@ class LAMB(Optimizer):
                     (group, params, *sub) for sub in _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group)
                 ]
         work = [(group, params, shard_group(params), sub, u) for group, params, sub, u in updates]
-        ratios = _trust_ratios(work, lambda item: [item[3], item[4]], lambda group: (0.0, 1.0, 0.0))
+        ratios = trust_ratios(work, lambda item: [item[3], item[4]], lambda group: (0.0, 1.0, 0.0), trust_ratio)
         for (group, _, _, sub, u), sub_ratios in zip(work, ratios):
             if sub_ratios is None:
                 torch._foreach_add_(sub, u, alpha=-group["lr"])

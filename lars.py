@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ddp_tricks.schedules.curves import PolynomialWarmup  # the original LARS project imported it from here
-from ddp_tricks.shards import like, local, shard_group, whole_norms
+from ddp_tricks.shards import like, local, shard_group, trust_ratios
 from ddp_tricks.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["LARS", "LARSWrapper", "create_optimizer_lars", "PolynomialWarmup", "trust_ratio"]
@@ -108,9 +108,8 @@ class LARS(Optimizer):
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("LARS does not support sparse gradients; use dense gradients")
             work.append((group, params, shard_group(params)))
-        ratios = _trust_ratios(
-            work, _weights_and_grads, lambda g: (g["weight_decay"], g["trust_coefficient"], g["eps"])
-        )
+        coefficients = lambda g: (g["weight_decay"], g["trust_coefficient"], g["eps"])  # noqa: E731
+        ratios = trust_ratios(work, _weights_and_grads, coefficients, trust_ratio)
         for (group, params, _), group_ratios in zip(work, ratios):
             bufs = [self.state[p].get("momentum_buffer") for p in params]
             local_bufs = [local(b) if b is not None else None for b in bufs]
@@ -122,22 +121,6 @@ class LARS(Optimizer):
                 for p, buf, new in zip(params, bufs, local_bufs):
                     self.state[p]["momentum_buffer"] = buf if buf is not None else like(p, new)
         return loss
-
-
-def _trust_ratios(work: list[tuple], tensors_of, coefficients) -> list[torch.Tensor | None]:
-    """The trust ratios of each item of `work` (a param group, its parameters with gradients, their shard group,
-    ...) whose group has lars on (None for the others), from the norms of the two lists `tensors_of(item)` gives
-    (the weights, and what r compares them with), all in one `whole_norms` call: one all-reduce per step for
-    sharded parameters. `coefficients(group)`: (weight decay, trust coefficient, eps) of the ratio."""
-    scaled = [item for item in work if item[0].get("lars", True)]
-    shards = {item[2] for item in scaled}
-    if len(shards) > 1:
-        raise ValueError("the optimizer holds sharded and whole parameters in different groups; shard all or none")
-    norms = iter(
-        whole_norms([tensors for item in scaled for tensors in tensors_of(item)], shards.pop() if shards else None)
-    )
-    on = {id(item) for item in scaled}
-    return [trust_ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in on else None for item in work]
 
 
 def _weights_and_grads(item: tuple) -> list[list[torch.Tensor]]:
@@ -251,7 +234,7 @@ class LARSWrapper(WrappedOptimizer):
                     raise RuntimeError("LARSWrapper does not support sparse gradients; use dense gradients")
                 work.append((group, params, shard_group(params)))
             coefficients = lambda g: (g.get("weight_decay", 0.0), self.trust_coefficient, self.eps)  # noqa: E731
-            ratios = _trust_ratios(work, _weights_and_grads, coefficients)
+            ratios = trust_ratios(work, _weights_and_grads, coefficients, trust_ratio)
             for (group, params, _), group_ratios in zip(work, ratios):
                 wd = group.get("weight_decay", 0.0)
                 p_local, g_local = [local(p) for p in params], [local(p.grad) for p in params]

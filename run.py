@@ -7,7 +7,8 @@
     python -m torch.distributed.launch --nproc_per_node=2 run.py   # the legacy launcher
 
 The recipe: parse -> check -> join -> build -> train -> finish. `python run.py --help` lists the flags by
-trick. A run writes runs/<name>/ (config.json, metrics.csv, train.log, last.pt, best.pt, curves.png).
+trick. A run writes runs/<name>/ (config.json, metrics.csv, train.log, last.pt or, sharded, last.dcp, best.pt,
+curves.png).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ from ddp_tricks.schedules import decay_kind, schedule
 from ddp_tricks.storage import checkpoint, run_folder
 from ddp_tricks.traces import batch_trace
 from ddp_tricks.training import loop, seam
-from ddp_tricks.training.precision import Precision
+from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Best, NonFiniteLoss, Training
 
 log = logging.getLogger("ddp_tricks")
-PREEMPTED = 143  # exit code after SIGTERM: last.pt holds the state, `--resume auto` continues exactly
+PREEMPTED = 143  # exit code after SIGTERM: the last checkpoint holds the state, `--resume auto` continues exactly
 NONFINITE = 3  # exit code after a NaN/inf loss
 
 
@@ -57,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         if process.rank == 0:
             run_dir = Path(flags.run_dir)
             kept = "no checkpoint was written before it"
-            if (run_dir / "last.pt").exists():
-                kept = "last.pt keeps the last good weights"
+            last = checkpoint.LAST[flags.strategy]
+            if (run_dir / last).exists():
+                kept = f"{last} keeps the last good weights"
             fix = "Lower --base-lr, add --clip-grad-norm, or pass --on-nonfinite skip"
             report(f"{error}; {kept}. {fix}", run_dir / "train.log")
         return NONFINITE
@@ -157,7 +159,7 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
             progress.close()
         if result is None:
             where = f"epoch {epoch}, step {t.global_step}"
-            log.info("preempted at %s: last.pt written; continue with --resume auto", where)
+            log.info("preempted at %s: %s written; continue with --resume auto", where, checkpoint.LAST[flags.strategy])
             return PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
         row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | loop.evaluate(t, val_loader)
@@ -176,7 +178,8 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
         if t.stopped_early:
             break
         if preemption.agreed(final=True) and epoch < flags.epochs:
-            log.info("preempted after epoch %d: last.pt written; continue with --resume auto", epoch)
+            last = checkpoint.LAST[flags.strategy]
+            log.info("preempted after epoch %d: %s written; continue with --resume auto", epoch, last)
             return PREEMPTED
 
     if t.rank == 0:
@@ -219,7 +222,7 @@ def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: lau
     memory_format = torch.channels_last if flags.channels_last else torch.preserve_format
     model = model.to(dist.device, memory_format=memory_format)
     if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
-        model = fsdp.shard(model, units, flags.amp)
+        model = fsdp.shard(model, units, DTYPES[flags.amp])
     optimizer = optimizers.build(  # DDP and SyncBN keep these Parameter objects
         model,
         flags.optimizer,

@@ -1,5 +1,5 @@
-"""run.py's own training loop (engine.train_one_epoch) against a minimal bare loop doing the same work: same
-model, data, batch, optimizer and AMP setting, measured interleaved in one run after warm-up. Also the data
+"""run.py's own training loop (ddp_tricks.training.loop.train_one_epoch) against a minimal bare loop doing the same
+work: same model, data, batch, optimizer and AMP setting, measured interleaved in one run after warm-up. Also the data
 path alone (loader iteration without the model), and the bare loop on one batch already resident on the
 device (the model's own ceiling: no data path at all). The last line is one JSON object.
 

@@ -27,6 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ddp_tricks.distributed import fsdp  # noqa: E402
 from ddp_tricks.optim import build as optimizers  # noqa: E402
 from ddp_tricks.shards import local  # noqa: E402
 
@@ -67,15 +68,8 @@ def worker(rank: int, world_size: int, port: int, args, queue) -> None:
     result = {}
     for strategy in ("ddp", "fsdp"):
         model = model_of(args.width).to(device)
-        if strategy == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(device.type, (world_size,))
-            for block in model:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            wrapped = model
+        if strategy == "fsdp":  # sharded as run.py shards it: each block, then the root
+            model = wrapped = fsdp.shard(model, list(model))
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         optimizer = optimizers.build(model, args.optimizer, lr=1e-3, weight_decay=0.01)
@@ -129,7 +123,7 @@ def main() -> None:
     params = sum(p.numel() for p in model_of(args.width).parameters())
     print(f"torch {torch.__version__}, {args.device}, {args.optimizer}, {params / 1e6:.2f} M parameters, batch "
           f"{args.batch} per rank, median of {args.steps} steps")  # fmt: skip
-    header = "world | DDP MB per rank (param+grad+optim) | FSDP MB per rank | FSDP / DDP bytes | 1 / world"
+    header = "world | DDP MiB per rank (param+grad+optim) | FSDP MiB per rank | FSDP / DDP bytes | 1 / world"
     print(f"{header} | FSDP / DDP step time")
     summary = {}
     for world_size, r in rows.items():

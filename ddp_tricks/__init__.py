@@ -11,6 +11,8 @@ UserError`. Importing this package does not import torch (so `run.py --help` ans
     storage/      the run folder and checkpoints
     schedules/    learning-rate schedules        optim/  the optimizer a run names
     wrapped_optimizer.py   the base of LARSWrapper and Lookahead: an optimizer over another one
+    shards.py     sharded (DTensor) tensors for the optimizers: whole norms in one all-reduce
+    errors.py     UserError and its one line      moved.py  where the old top-level modules went
     traces/       variable batch size from a trace, and the original trace API
     models.py     the small CNNs and torchvision models      plots.py  figures of runs
 """

@@ -8,8 +8,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-EXIT_CODE = 2
-
 
 class UserError(Exception):
     """A mistake in what the user asked for: run.py prints it as one line and exits with code 2.

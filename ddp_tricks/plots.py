@@ -1,4 +1,5 @@
-"""Matplotlib figures of a run (loss, accuracy and LR per epoch), drawn headless from its metrics.csv."""
+"""Matplotlib figures of runs, drawn headless from their metrics.csv: the task's metrics and the LR per epoch, the
+LR schedule, several runs overlaid, a metric against the batch size."""
 
 from __future__ import annotations
 

@@ -54,3 +54,18 @@ def whole_norms(lists: list[list[torch.Tensor]], group=None) -> list[torch.Tenso
     squares = torch.cat([n.to(dtype) for n in norms]).square()
     dist.all_reduce(squares, group=group)
     return [part.sqrt().to(n.dtype) for part, n in zip(squares.split([len(n) for n in norms]), norms)]
+
+
+def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio) -> list[torch.Tensor | None]:
+    """The layer-wise ratios of each item of `work` (a param group, its parameters with gradients, their shard
+    group, ...) whose group has lars on (None for the others): `ratio(w, u, *coefficients(group))` from the norms
+    of the two lists `tensors_of(item)` gives (the weights, and what the ratio compares them with), all of them
+    from one `whole_norms` call: one all-reduce per step however many tensors are sharded."""
+    scaled = [item for item in work if item[0].get("lars", True)]
+    shards = {item[2] for item in scaled}
+    if len(shards) > 1:
+        raise ValueError("the optimizer holds sharded and whole parameters in different groups; shard all or none")
+    lists = [tensors for item in scaled for tensors in tensors_of(item)]
+    norms = iter(whole_norms(lists, shards.pop() if shards else None))
+    on = {id(item) for item in scaled}
+    return [ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in on else None for item in work]

@@ -300,8 +300,9 @@ def test_torchrun_two_gpus(flags, tmp_path):
 
 @cuda_test
 def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
-    """run.py's loop (engine.train_one_epoch) on one GPU: from step 3 to step 11 any host-device synchronisation
-    raises (`set_sync_debug_mode("error")`); the logging interval (1000) is never reached, so none is expected."""
+    """run.py's loop (ddp_tricks.training.loop.train_one_epoch) on one GPU: from step 3 to step 11 any host-device
+    synchronisation raises (`set_sync_debug_mode("error")`); the logging interval (1000) is never reached, so none is
+    expected."""
     import tiny
 
     from ddp_tricks import plan

@@ -82,7 +82,7 @@ def _train_setting(rank, world_size, sharded, steps, clip, setting):
     for name, (options, lr) in OPTIMIZERS.items():
         model = _mlp()
         if sharded:
-            model = fsdp.shard(model, fsdp.shard_units(Classify(), model), "off")
+            model = fsdp.shard(model, fsdp.shard_units(Classify(), model))
         options = dict(options)
         optimizer = optimizers.build(model, options.pop("name"), lr=lr, weight_decay=1e-3, **options)
         t = Training(model, optimizer, Schedule(WarmupDecay(optimizer, 0, 0)), Classify(), ["acc"],
@@ -316,7 +316,7 @@ def test_a_checkpoint_of_the_other_strategy_or_with_a_missing_shard_is_one_line(
         (["--no-progress", "-n", "f", "--resume", "auto"], "was written by --strategy fsdp"),
         (["--no-progress", "-n", "x", "--resume", str(tmp_path / "f" / "last.dcp")], "is sharded (written by "
          "--strategy fsdp): resume it with --strategy fsdp"),
-        ([*FLAGS, "-n", "x", "--resume", str(tmp_path / "f" / "best.pt")], "holds the weights only"),
+        ([*FLAGS, "-n", "x", "--resume", str(tmp_path / "f" / "best.pt")], "holds the model's weights only"),
     ]  # fmt: skip
     for argv, message in cases:  # found before any process group: one process says it as every rank would
         assert run.main([*argv, "--runs-dir", str(tmp_path), "-e", "2"]) == 2
@@ -371,7 +371,7 @@ def _inf_in_one_rank_s_slice(rank, world_size):
     from ddp_tricks.training.precision import Precision
 
     model = _mlp()
-    fsdp.shard(model, [model[1], model[4]], "fp16")
+    fsdp.shard(model, [model[1], model[4]], torch.float16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     precision = Precision("fp16", CPU, sharded=True)
     before = [p.full_tensor() for p in model.parameters()]

@@ -19,26 +19,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from ddp_tricks import cli  # noqa: E402
-from ddp_tricks.storage import (
-    checkpoint,  # noqa: E402
-    run_folder,  # noqa: E402
-)
-from ddp_tricks.training import precise_bn, seam  # noqa: E402
+from ddp_tricks.data import loaders  # noqa: E402
+from ddp_tricks.storage import checkpoint, run_folder  # noqa: E402
+from ddp_tricks.training import batches, precise_bn, seam  # noqa: E402
 
 
-def evaluate(task, model, dataset, batch: int = 1000) -> dict[str, float]:
-    """The task's loss and metrics over the dataset (`val_loss`, `val_<metric>`), in eval mode, from its sums."""
+def evaluate(task, model, dataset, collate=None, batch: int = 1000) -> dict[str, float]:
+    """The task's loss and metrics over the dataset (`val_loss`, `val_<metric>`), in eval mode, from its sums,
+    batched as the template batches it and weighed by the task's units."""
     model.eval()
-    names, totals = None, None
+    names, totals, units_total = None, None, 0.0
     with torch.no_grad():
         for start in range(0, len(dataset), batch):
-            inputs, targets = dataset[start : start + batch]
-            outputs = model(inputs)
+            inputs, targets = loaders.batch_of(dataset, list(range(start, min(start + batch, len(dataset)))), collate)
+            outputs = batches.float_outputs(model(inputs))
             sums = task.metric_sums(outputs, targets) if hasattr(task, "metric_sums") else {}
+            units = float(task.units(inputs, targets) if hasattr(task, "units") else batches.samples_in(targets))
             names = list(sums)
-            row = [float(task.loss(outputs, targets)) * len(targets), *(float(v) for v in sums.values())]
+            row = [float(task.loss(outputs, targets)) * units, *(float(v) for v in sums.values())]
             totals = row if totals is None else [a + b for a, b in zip(totals, row)]
-    return seam.report(task, names, "val", totals, float(len(dataset)))
+            units_total += units
+    return seam.report(task, names, "val", totals, units_total)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,25 +55,27 @@ def main(argv: list[str] | None = None) -> int:
         task = task_class(run_args)
         train, val = task.datasets()
         model = task.model()
-        checkpoint.restore_model(model, checkpoint.load(Path(args.checkpoint)), args.checkpoint)
+        checkpoint.restore_model(model, checkpoint.load(Path(args.checkpoint), resumable=False), args.checkpoint)
     except cli.UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    metric = run_folder.headline({"monitor": run_args.monitor, "task_metrics": run_folder.task_metrics(task)})
+    config = Path(args.checkpoint).parent / "config.json"  # the run's own, where the checkpoint sits in its folder
+    described = {"monitor": run_args.monitor, "task_metrics": run_folder.task_metrics(task)}
+    metric = run_folder.headline(run_folder.read_config(config.parent) if config.is_file() else described)
     column, scale, unit = metric["column"], metric["scale"], f" {metric['unit']}" if metric["unit"] else ""
 
     def show(row: dict) -> str:
         return f"loss {row['val_loss']:.4f}, {metric['title']} {scale * row[column]:.2f}{unit}"
 
-    saved, saved_train = evaluate(task, model, val), evaluate(task, model, train)
+    collate = getattr(task, "collate", None)
+    saved, saved_train = evaluate(task, model, val, collate), evaluate(task, model, train, collate)
     limit = min(args.samples, len(train))
-    batches = [train[i : min(i + 1000, limit)][0] for i in range(0, limit, 1000)]
-    precise_bn.recompute(model, iter(batches), len(batches))
-    recomputed, recomputed_train = evaluate(task, model, val), evaluate(task, model, train)
+    inputs = [loaders.batch_of(train, list(range(i, min(i + 1000, limit))), collate)[0] for i in range(0, limit, 1000)]
+    precise_bn.recompute(model, iter(inputs), len(inputs))
+    recomputed, recomputed_train = evaluate(task, model, val, collate), evaluate(task, model, train, collate)
     print(f"{args.checkpoint}: the same weights, evaluated with")
     print(f"  the saved running statistics:      val {show(saved)} (train {show(saved_train)})")
-    print(f"  statistics of {sum(len(b) for b in batches)} training samples: val {show(recomputed)} "
-          f"(train {show(recomputed_train)})")  # fmt: skip
+    print(f"  statistics of {limit} training samples: val {show(recomputed)} (train {show(recomputed_train)})")
     return 0
 
 

@@ -1,10 +1,12 @@
 """A sharded checkpoint (`--strategy fsdp`: runs/NAME/last.dcp) as one plain file: the whole model's weights, and
-with --optimizer the whole optimizer state too, gathered from every rank's slices. One process, no GPU needed.
+with --optimizer the optimizer's per-parameter tensors too (momentum, moments, Lookahead's slow weights) whole,
+gathered from every rank's slices. One process, no GPU needed.
 
     python tools/export.py runs/NAME/last.dcp -o weights.pt
     python -c "import torch; model.load_state_dict(torch.load('weights.pt', weights_only=True)['model'])"
 
-The file holds {"model": {name: tensor}} (plus "optimizer": {key: tensor} with --optimizer), readable with
+The file holds {"model": {name: tensor}} (plus "optimizer": {key: tensor} with --optimizer; the step counts and
+hyper-parameters stay in the checkpoint's state.pt), readable with
 `torch.load(..., weights_only=True)` into the unwrapped model, outside the template. (best.pt of a sharded run is
 such a file already, written at the best epoch.)
 """
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.optimizer:
         del state["optimizer"]
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, args.output)
     print(f"{args.output}: {len(state['model'])} model tensors" + (", the optimizer state" if args.optimizer else ""))
     return 0

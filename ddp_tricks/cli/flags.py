@@ -150,14 +150,14 @@ def _run_flags(g: argparse._ArgumentGroup) -> None:
         "--resume",
         default=None,
         metavar="auto|PATH",
-        help="continue from a checkpoint; `auto` takes runs/<name>/last.pt when it exists",
+        help="continue from a checkpoint; `auto` takes runs/<name>/last.pt (sharded: last.dcp) when it exists",
     )
     g.add_argument(
         "--checkpoint-every-steps",
         type=int,
         default=0,
         metavar="K",
-        help="also write last.pt every K optimizer steps, mid-epoch (0: only after each epoch)",
+        help="also write the checkpoint every K optimizer steps, mid-epoch (0: only after each epoch)",
     )
     g.add_argument(
         "--on-nonfinite",

@@ -55,7 +55,7 @@ def monitored_metric(task_class: type, flag: str | None) -> str:
     name = flag if flag is not None else getattr(task_class, "monitor", "loss")
     bare = name[4:] if name.startswith("val_") else name
     if bare not in names:
-        where = "--monitor-metric" if flag is not None else f"the task's monitor {name!r}"
+        where = "--monitor-metric" if flag is not None else "the task's monitor"
         raise UserError(f"{where} {name!r} is not a reported metric: use one of {', '.join(names)}")
     return f"val_{bare}"
 

@@ -30,22 +30,27 @@ def shard_units(task, model: nn.Module) -> list[nn.Module]:
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
-def shard(model: nn.Module, units: list[nn.Module], amp: str) -> nn.Module:
-    """`fully_shard` the units (inner first), then the model, on a 1-D mesh over every rank."""
+def shard(model: nn.Module, units: list[nn.Module], dtype: torch.dtype | None = None) -> nn.Module:
+    """`fully_shard` the units, the deepest first and each once, then the model, on a 1-D mesh over every rank.
+    `dtype`: the --amp dtype parameters are gathered in (None: as they are)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-    dtype = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    depth = {id(module): name.count(".") + 1 for name, module in model.named_modules() if name}
+    done = set()
     if dtype is not None:
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and any(True for _ in module.parameters()):
                 fully_shard(module, mesh=mesh, mp_policy=full)
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
+                done.add(id(module))
+    for unit in sorted(units, key=lambda m: -depth[id(m)]):  # a unit inside another is sharded first
+        if id(unit) not in done:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+            done.add(id(unit))
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 

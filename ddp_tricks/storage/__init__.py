@@ -1,2 +1,2 @@
-"""What a run leaves on disk: `run_folder` (runs/<name>/: config, metrics, log) and `checkpoint` (atomic saves,
-safe loads, what --resume means)."""
+"""What a run leaves on disk: `run_folder` (runs/<name>/: config, metrics, log), `checkpoint` (when, what
+--resume means, safe loads), `files` (atomic saves) and `sharded` (FSDP's sharded checkpoints)."""

@@ -15,11 +15,13 @@ from ddp_tricks.errors import UserError
 from ddp_tricks.storage import sharded
 from ddp_tricks.storage.files import save
 
+LAST = {"ddp": "last.pt", "fsdp": sharded.LINK}  # a run's latest checkpoint, by --strategy
 
-def load(path: str | Path, strategy: str = "ddp") -> dict[str, Any]:
+
+def load(path: str | Path, strategy: str = "ddp", resumable: bool = True) -> dict[str, Any]:
     """Read a checkpoint without running any code from it: a last.pt/best.pt file (--strategy ddp), or a sharded
     checkpoint's folder (fsdp; its sharded tensors still placeholders, see sharded.fill). A bad file, or one of
-    the other strategy, is a UserError naming it."""
+    the other strategy, is a UserError naming it. `resumable=False`: the weights are all that is wanted."""
     path = Path(path)
     if path.is_dir():
         if strategy != "fsdp":
@@ -41,11 +43,15 @@ def load(path: str | Path, strategy: str = "ddp") -> dict[str, Any]:
         raise UserError(f"{not_ours} (or is corrupt); {fix}") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"{not_ours} (it has no model/epoch entries); {fix}")
-    if strategy == "fsdp" and path.suffix == ".pt":
-        what = "the weights only" if "optimizer" not in state else "a whole state written by --strategy ddp"
+    if resumable and state.get("strategy") == "fsdp" and "optimizer" not in state:  # a sharded run's best.pt
         raise UserError(
-            f"checkpoint {str(path)!r} holds {what}; --strategy fsdp resumes a sharded checkpoint (runs/<name>/"
-            f"{sharded.LINK}): resume this one with --strategy ddp, or give the sharded one"
+            f"checkpoint {str(path)!r} holds the model's weights only (a sharded run's best.pt): load them into "
+            f"the model with torch.load(..., weights_only=True)['model'], or resume from the run's {sharded.LINK}"
+        )
+    if resumable and strategy == "fsdp":
+        raise UserError(
+            f"checkpoint {str(path)!r} holds a whole state written by --strategy ddp; --strategy fsdp resumes a "
+            f"sharded checkpoint (runs/<name>/{sharded.LINK}): resume this one with --strategy ddp"
         )
     return state
 
@@ -56,8 +62,13 @@ def resume_path(resume: str | None, run_dir: str | Path, strategy: str = "ddp") 
     if resume is None:
         return None
     if resume == "auto":
-        ours, theirs = ("last.pt", sharded.LINK) if strategy == "ddp" else (sharded.LINK, "last.pt")
+        ours, theirs = LAST[strategy], LAST["fsdp" if strategy == "ddp" else "ddp"]
         last, other = Path(run_dir) / ours, Path(run_dir) / theirs
+        if last.is_symlink() and not last.exists():
+            raise UserError(
+                f"{str(last)!r} points to {str(last.readlink())!r}, which is gone: the run's checkpoint was moved "
+                "or deleted; restore it, or start over with --overwrite"
+            )
         if not last.exists() and other.exists():
             raise UserError(
                 f"{str(other)!r} was written by --strategy {'fsdp' if strategy == 'ddp' else 'ddp'}: resume that "
@@ -113,7 +124,7 @@ class Checkpoints:
             return
         state = t.state_dict() | meta
         if self.is_main:
-            save(state, self.folder / "last.pt")
+            save(state, self.folder / LAST["ddp"])
             if also_best:
                 save(state, self.folder / "best.pt")
 

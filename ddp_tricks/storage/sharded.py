@@ -63,7 +63,6 @@ def save(state: dict, run_dir: Path, name: str, is_main: bool) -> Path:
     run_dir = Path(run_dir)
     target = run_dir / FOLDER / name
     if is_main:
-        shutil.rmtree(target, ignore_errors=True)  # a write of this name that a kill interrupted
         target.mkdir(parents=True)
     dist.barrier()
     sharded: dict[str, torch.Tensor] = {}
@@ -73,6 +72,8 @@ def save(state: dict, run_dir: Path, name: str, is_main: bool) -> Path:
         dcp.save(sharded, checkpoint_id=str(target))
     if is_main:
         save_file(skeleton, target / STATE)
+        _fsync_folder(target)  # the checkpoint's files and its folder reach the disk before the link names them
+        _fsync_folder(target.parent)
         link = run_dir / LINK
         temporary = run_dir / f".{LINK}.{os.getpid()}"
         temporary.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ plain tensor takes a short path with no walk at all.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -18,8 +18,12 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value):
     """`value` with every tensor inside it replaced by fn(tensor), keeping each container's own type."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, dict):
-        return type(value)((key, map_tensors(fn, item)) for key, item in value.items())
+    if isinstance(value, Mapping):  # a dict, or a mapping of a library's own (a UserDict, a BatchEncoding)
+        mapped = {key: map_tensors(fn, item) for key, item in value.items()}
+        try:
+            return type(value)(mapped)
+        except TypeError:
+            return mapped
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple (torchvision's GoogLeNetOutputs)
         return type(value)(*(map_tensors(fn, item) for item in value))
     if isinstance(value, (tuple, list)):
@@ -79,7 +83,7 @@ def describe(value) -> str:
     """A batch in a message: `tensor (4, 1, 8, 8) float32`, `dict(tokens: tensor (4, 37) int64, ...)`."""
     if isinstance(value, torch.Tensor):
         return f"tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return "dict(" + ", ".join(f"{key}: {describe(item)}" for key, item in value.items()) + ")"
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__}(" + ", ".join(describe(item) for item in value) + ")"

@@ -61,7 +61,11 @@ def micro_batches(t: Training, step: Step, batches, units_of):
     for _ in step.micro_batches:
         inputs, targets = next(batches)
         inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-        units = torch.as_tensor(units_of(inputs, targets), dtype=torch.float64, device=t.device)
+        units = units_of(inputs, targets)  # a tensor on the device, or a number (filled there: no host copy)
+        if isinstance(units, torch.Tensor):
+            units = units.to(torch.float64)
+        else:
+            units = torch.full((), float(units), dtype=torch.float64, device=t.device)
         fetched.append((inputs, targets, units))
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for *_, units in fetched:

@@ -22,10 +22,11 @@ class Precision:
         self.dtype = None if apex_amp is not None else DTYPES[mode]
         self.scaler = None
         if mode == "fp16" and apex_amp is None:
-            # sharded gradients: each rank sees an inf only in its slices; this scaler agrees on it across the ranks
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            self.scaler = torch.amp.GradScaler(device.type)
+            if sharded:  # each rank sees an inf only in its slices: this scaler agrees on it across the ranks
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(device.type)
+                self.scaler = ShardedGradScaler(device.type)
 
     @property
     def skips_nonfinite(self) -> bool:

@@ -13,8 +13,9 @@ from ddp_tricks.training.batches import describe, float_outputs, samples_in
 
 
 def report(task, sum_names: list[str], prefix: str, values: list[float], count: float) -> dict[str, float]:
-    """`{prefix}_loss` and `{prefix}_<metric>` from a set's sums: [loss x samples, *metric sums] over `count`."""
-    count = max(count, 1.0)  # an epoch with no step left (resumed at its very end) has no samples
+    """`{prefix}_loss` and `{prefix}_<metric>` from a set's sums: [loss x units, *metric sums] over `count`, the
+    set's units (samples unless the task counts others)."""
+    count = max(count, 1.0)  # an epoch with no step left (resumed at its very end) has no units
     sums = dict(zip(sum_names, values[1:]))
     metrics = task.metrics(sums, count) if hasattr(task, "metrics") else {k: v / count for k, v in sums.items()}
     return {f"{prefix}_loss": values[0] / count} | {f"{prefix}_{k}": float(v) for k, v in metrics.items()}

@@ -47,16 +47,6 @@ class Best:
         self.val = {k: v for k, v in row.items() if k.startswith("val_")}
         return True
 
-    def check_units(self) -> None:
-        """A step whose micro-batches held no unit on any rank (the task's units() gave 0 everywhere) trains on
-        nothing: said as a user error, on every rank together (the count was all-reduced)."""
-        if isinstance(self.empty_steps, torch.Tensor) and self.empty_steps.item() > 0:
-            raise UserError(
-                f"{int(self.empty_steps.item())} optimizer step(s) of epoch {self.epoch} held no units: the task's "
-                "units() gave 0 for every micro-batch of the step on every rank; every step needs at least one unit "
-                "(a real token, pixel or sample): check units() and the data"
-            )
-
     def state_dict(self) -> dict:
         return {"metric": self.metric, "value": self.value, "epoch": self.epoch, "val": dict(self.val)}
 
