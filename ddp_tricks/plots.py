@@ -6,10 +6,16 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def _pyplot():
+    """matplotlib's pyplot, headless. Imported when a figure is drawn, not when a run starts: it takes a third of
+    a second, and only rank 0 draws, at the end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
@@ -23,6 +29,7 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
     rows = read_metrics(run_dir)
     epochs = [r["epoch"] for r in rows]
     names = [k[len("val_") :] for k in rows[0] if k.startswith("val_")]
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(names) + 1, figsize=(4.6 * (len(names) + 1), 4))
     for ax, name in zip(axes, names):
         for split, label in (("train", "train"), ("val", "validation")):
@@ -55,6 +62,7 @@ def lr_schedule(lrs: list[float], steps_per_epoch: int, run_dir: str | Path, tit
         writer.writerow(["step", "lr"])
         writer.writerows(enumerate(lrs, start=1))
     path = run_dir / "lr_schedule.png"
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     steps = range(1, len(lrs) + 1)
     ax.plot(steps, lrs, lw=1.5)
@@ -72,6 +80,7 @@ def lr_schedule(lrs: list[float], steps_per_epoch: int, run_dir: str | Path, tit
 def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict) -> Path:
     """One validation metric (`metric`: storage.run_folder.headline), the loss and the LR of several runs on one
     figure, one colour per run."""
+    plt = _pyplot()
     fig, (ax_metric, ax_loss, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
     name, scale, unit = metric["name"], metric["scale"], f" ({metric['unit']})" if metric["unit"] else ""
     for run_dir in run_dirs:
@@ -101,6 +110,7 @@ def accuracy_vs_batch(results: dict[str, list[dict]], path: str | Path, metric: 
     """The final value of a validation metric (`metric`: storage.run_folder.headline) against global batch size
     (log scale), one line per optimizer; with several runs per cell (seeds), the mean with a bar from the lowest
     to the highest run."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for optimizer, cells in results.items():
         x, y = [c["batch"] for c in cells], [c["value"] for c in cells]

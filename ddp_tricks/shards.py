@@ -6,13 +6,17 @@ the tensors of a step (`whole_norms`). Whole (unsharded) tensors pass through ev
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed support: nothing can be sharded
-    DTensor = ()
+
+def is_sharded(tensor) -> bool:
+    """Whether `tensor` is a DTensor. torch.distributed.tensor takes a second to import, so a DDP run never
+    imports it: until FSDP (or anything else) has, no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -21,13 +25,13 @@ def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a tensor this rank holds: a DTensor's local slice (sharing its storage), else the tensor."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return tensor._local_tensor if is_sharded(tensor) else tensor
 
 
 def shard_group(params: list[torch.Tensor]):
     """The process group over which `params` are sharded (None: whole tensors). One group's tensors are all
     sharded or all whole."""
-    sharded = [isinstance(p, DTensor) for p in params]
+    sharded = [is_sharded(p) for p in params]
     if not any(sharded):
         return None
     if not all(sharded):
@@ -37,8 +41,10 @@ def shard_group(params: list[torch.Tensor]):
 
 def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """`value` (a local slice) as a tensor like `param`: a DTensor sharded as it is, or `value` itself."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return value
+    from torch.distributed.tensor import DTensor
+
     mesh, placements = param.device_mesh, param.placements
     return DTensor.from_local(value, mesh, placements, shape=param.shape, stride=param.stride(), run_check=False)
 

@@ -20,6 +20,27 @@ def test_digits_split_is_fixed_and_disjoint():
     assert train.inputs.shape[1:] == (1, 8, 8)
 
 
+def test_digits_read_without_scikit_learn_equal_its_load_digits(monkeypatch):
+    """The file scikit-learn ships, read directly, gives load_digits' images split and standardised as documented
+    (80/20 by a permutation of seed 0, the training part's mean and std); load_digits is also the fallback."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(bunch.target)
+    order = torch.randperm(1797, generator=torch.Generator().manual_seed(0))
+    val_idx, train_idx = order[:359], order[359:]
+    mean, std = images[train_idx].mean(), images[train_idx].std()
+    expected_train, expected_val = (images[train_idx] - mean) / std, (images[val_idx] - mean) / std
+
+    for found in (True, False):
+        if not found:  # as if the file were not where scikit-learn keeps it
+            monkeypatch.setattr(image_data.importlib.util, "find_spec", lambda name: None)
+        train, val = image_data.digits()
+        assert torch.allclose(train.inputs, expected_train, atol=1e-6) and torch.equal(train.targets, labels[train_idx])
+        assert torch.allclose(val.inputs, expected_val, atol=1e-6) and torch.equal(val.targets, labels[val_idx])
+
+
 def test_in_memory_batches_are_single_index_operations():
     ds = data.InMemoryDataset(torch.arange(10.0).view(10, 1), torch.arange(10))
     x, y = ds.__getitems__([3, 1, 4])
