@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 
 def is_sharded(tensor) -> bool:
-    """Whether `tensor` is a DTensor. torch.distributed.tensor takes a second to import, so a DDP run never
-    imports it: until FSDP (or anything else) has, no tensor can be one."""
+    """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (up to a second), so that
+    `import lars` stays light: until FSDP (or anything else) has imported it, no tensor can be one."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
 
