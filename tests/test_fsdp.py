@@ -334,6 +334,8 @@ def test_what_fsdp_does_not_take_is_one_line(tmp_path, capsys):
         (["--batch-trace", "examples/traces/doubling.csv"], "--strategy fsdp does not take --batch-trace"),
         (["--static-graph"], "--static-graph acts only with --strategy ddp"),
         (["--bucket-cap-mb", "50"], "--bucket-cap-mb acts only with --strategy ddp"),
+        (["--sync-bn"], "--sync-bn converts BatchNorm for DistributedDataParallel"),
+        (["--channels-last"], "--channels-last gives convolution weights a memory order FSDP2 cannot shard"),
     ]
     for extra, message in cases:
         assert run.main(["--strategy", "fsdp", *extra, "--runs-dir", str(tmp_path)]) == 2

@@ -192,5 +192,10 @@ def _check_fsdp(cfg: argparse.Namespace) -> None:
         )
     if cfg.sync_bn:
         raise UserError("--sync-bn converts BatchNorm for DistributedDataParallel; drop it with --strategy fsdp")
+    if cfg.channels_last:
+        raise UserError(
+            "--channels-last gives convolution weights a memory order FSDP2 cannot shard (it needs contiguous "
+            "parameters); drop it with --strategy fsdp"
+        )
     if cfg.amp_backend == "apex":
         raise UserError("--amp-backend apex wraps the whole model before DDP; use --amp with --strategy fsdp")
