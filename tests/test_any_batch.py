@@ -120,6 +120,16 @@ class NoUnits(DictTask):
         return targets.sum() * 0  # a count of 0 in every batch
 
 
+class NumberUnits(DictTask):
+    def units(self, inputs, targets):
+        return targets.numel()
+
+
+class OneElementUnits(DictTask):
+    def units(self, inputs, targets):
+        return torch.tensor([float(targets.numel())])  # shape (1,), on the CPU
+
+
 class ScalarSums(DictTask):
     def metric_sums(self, outputs, targets):
         return {"acc": (outputs.argmax(1) == targets).sum()}
@@ -171,6 +181,17 @@ def test_what_the_template_checks_on_a_structured_task_is_one_line(name, message
         (tmp_path / "t.py").write_text(DICT_TASK.replace("targets.sum() * 0", "targets.numel()"))
         capsys.readouterr()
         assert run.main(argv) == 0, capsys.readouterr().err
+
+
+def test_units_as_a_number_or_a_one_element_tensor_weigh_alike(tmp_path):
+    (tmp_path / "t.py").write_text(DICT_TASK)
+    weights = {}
+    for name in ("NumberUnits", "OneElementUnits"):
+        argv = ["--task", f"{tmp_path / 't.py'}:{name}", "-e", "1", "-b", "6", "--accum-steps", "2", "--no-progress",
+                "--runs-dir", str(tmp_path), "-n", name]  # fmt: skip
+        assert run.main(argv) == 0
+        weights[name] = torch.load(tmp_path / name / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(weights["NumberUnits"][k], weights["OneElementUnits"][k]) for k in weights["NumberUnits"])
 
 
 # ---------------------------------------------------------------- per-token weighting, against a plain computation

@@ -34,7 +34,10 @@ def test_digits_read_without_scikit_learn_equal_its_load_digits(monkeypatch):
     expected_train, expected_val = (images[train_idx] - mean) / std, (images[val_idx] - mean) / std
 
     for found in (True, False):
-        if not found:  # as if the file were not where scikit-learn keeps it
+        if found:  # the file itself: load_digits must not be what answers
+            monkeypatch.setattr("sklearn.datasets.load_digits", lambda: pytest.fail("load_digits was called"))
+        else:  # as if the file were not where scikit-learn keeps it: load_digits, the fallback
+            monkeypatch.undo()
             monkeypatch.setattr(image_data.importlib.util, "find_spec", lambda name: None)
         train, val = image_data.digits()
         assert torch.allclose(train.inputs, expected_train, atol=1e-6) and torch.equal(train.targets, labels[train_idx])

@@ -343,6 +343,56 @@ def test_what_fsdp_does_not_take_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and message in err, err
 
 
+def test_a_dangling_last_dcp_or_a_ddp_file_given_to_fsdp_is_one_line(tmp_path, capsys):
+    from ddp_tricks.storage import checkpoint
+
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "last.dcp").symlink_to(tmp_path / "gone" / "sharded" / "step-000000010")
+    checkpoint.save({"model": {}, "epoch": 1, "optimizer": {}, "strategy": "ddp"}, tmp_path / "whole.pt")
+    cases = [
+        (["-n", "gone", "--resume", "auto"], "which is gone: the run's checkpoint was moved or deleted"),
+        (["-n", "x", "--resume", str(tmp_path / "whole.pt")], "holds a whole state written by --strategy ddp"),
+    ]
+    for extra, message in cases:
+        assert run.main(["--strategy", "fsdp", *extra, "--runs-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert (tmp_path / "gone" / "last.dcp").is_symlink() and not (tmp_path / "x").exists()
+
+
+class _Nested(nn.Module):
+    """A unit inside another, and a module reachable under two names (`shared` and `block.0`)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(6, 6)
+        self.block = nn.Sequential(self.shared, nn.ReLU(), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _nested_units(rank, world_size):
+    from ddp_tricks.distributed import fsdp
+
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    expected = _Nested()(x)
+    model = _Nested()
+    fsdp.shard(model, [model.block, model.shared, model.block, model.head])  # outer first, one twice
+    out = model(x)
+    out.sum().backward()
+    return torch.equal(out.detach(), expected.detach()), [p.grad is not None for p in model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_units_inside_other_units_shared_or_repeated_are_each_sharded_once_inner_first():
+    for same, grads in run_ranks(_nested_units, 2):
+        assert same and all(grads)
+
+
 BAD_UNITS = """
 from torch import nn
 

@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     described = {"monitor": run_args.monitor, "task_metrics": run_folder.task_metrics(task)}
     metric = run_folder.headline(run_folder.read_config(config.parent) if config.is_file() else described)
     column, scale, unit = metric["column"], metric["scale"], f" {metric['unit']}" if metric["unit"] else ""
+    if metric["name"] not in ("loss", *run_folder.task_metrics(task)):
+        print(
+            f"error: the run shows {metric['name']!r}, which this task does not report: give the run's flags after --",
+            file=sys.stderr,
+        )
+        return 2
 
     def show(row: dict) -> str:
         return f"loss {row['val_loss']:.4f}, {metric['title']} {scale * row[column]:.2f}{unit}"

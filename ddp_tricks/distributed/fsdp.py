@@ -39,7 +39,6 @@ def shard(model: nn.Module, units: list[nn.Module], dtype: torch.dtype | None = 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    depth = {id(module): name.count(".") + 1 for name, module in model.named_modules() if name}
     done = set()
     if dtype is not None:
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -47,7 +46,7 @@ def shard(model: nn.Module, units: list[nn.Module], dtype: torch.dtype | None = 
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and any(True for _ in module.parameters()):
                 fully_shard(module, mesh=mesh, mp_policy=full)
                 done.add(id(module))
-    for unit in sorted(units, key=lambda m: -depth[id(m)]):  # a unit inside another is sharded first
+    for unit in sorted(units, key=lambda m: sum(1 for _ in m.modules())):  # one inside another holds fewer: first
         if id(unit) not in done:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
             done.add(id(unit))

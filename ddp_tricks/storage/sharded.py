@@ -72,7 +72,9 @@ def save(state: dict, run_dir: Path, name: str, is_main: bool) -> Path:
         dcp.save(sharded, checkpoint_id=str(target))
     if is_main:
         save_file(skeleton, target / STATE)
-        _fsync_folder(target)  # the checkpoint's files and its folder reach the disk before the link names them
+        # Every rank's shard files and .metadata are fsynced by dcp.save (its FileSystemWriter's sync_files), and
+        # state.pt by save_file; the folders' entries too, before the link names the checkpoint.
+        _fsync_folder(target)
         _fsync_folder(target.parent)
         link = run_dir / LINK
         temporary = run_dir / f".{LINK}.{os.getpid()}"

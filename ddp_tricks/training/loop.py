@@ -43,6 +43,14 @@ def batch_sums(t: Training, outputs, targets, loss: torch.Tensor, units) -> torc
     return torch.stack([loss.detach() * units, *(sums[k] for k in t.sum_names)])  # one op: it promotes the dtypes
 
 
+def units_tensor(units, device: torch.device) -> torch.Tensor:
+    """The task's units() of a batch, a number or a one-element tensor, as a float64 scalar on the device (a tensor
+    there already: no copy; a number: filled there, no host copy)."""
+    if isinstance(units, torch.Tensor):
+        return units.to(device, torch.float64, non_blocking=True).reshape(())
+    return torch.full((), float(units), dtype=torch.float64, device=device)
+
+
 def micro_batches(t: Training, step: Step, batches, units_of):
     """This rank's micro-batches of `step`, on the device, each as (inputs, targets, samples, units, weight):
     `weight` multiplies the micro-batch's mean loss so that the step's gradient is the mean over all its units.
@@ -61,12 +69,7 @@ def micro_batches(t: Training, step: Step, batches, units_of):
     for _ in step.micro_batches:
         inputs, targets = next(batches)
         inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-        units = units_of(inputs, targets)  # a tensor on the device, or a number (filled there: no host copy)
-        if isinstance(units, torch.Tensor):
-            units = units.to(torch.float64)
-        else:
-            units = torch.full((), float(units), dtype=torch.float64, device=t.device)
-        fetched.append((inputs, targets, units))
+        fetched.append((inputs, targets, units_tensor(units_of(inputs, targets), t.device)))
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for *_, units in fetched:
         total += units
@@ -234,7 +237,7 @@ def evaluate(t: Training, loader) -> dict[str, float]:
     sums = torch.zeros(len(t.sum_names) + 2, dtype=torch.float64, device=t.device)
     for inputs, targets in loader:
         inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-        units = samples_in(targets, inputs) if units_of is None else units_of(inputs, targets)
+        units = samples_in(targets, inputs) if units_of is None else units_tensor(units_of(inputs, targets), t.device)
         outputs, loss = forward(t, model, inputs, targets)
         sums[:-1] += batch_sums(t, outputs, targets, loss, units)
         sums[-1] += units
