@@ -153,6 +153,7 @@ def make(
             raise UserError(
                 f"the global batch {global_batch} (--batch-size {micro_batch} x {world_size} processes x "
                 f"--accum-steps {accum_steps}) exceeds the {num_train} training samples: lower --batch-size"
+                + (" or --accum-steps" if accum_steps > 1 else "")
             )
         if drop_last:  # whole micro-batches of the samples that divide evenly over the ranks
             micro_batches = num_train // world_size // micro_batch

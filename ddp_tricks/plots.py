@@ -4,6 +4,7 @@ LR schedule, several runs overlaid, a metric against the batch size."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 
@@ -25,8 +26,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
 
 def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None, steps_per_epoch: int = 0) -> Path:
     """Write run_dir/curves.png: one panel per reported metric (train and validation against epoch; the loss
-    first), and the LR (per step too, when traced). The panels follow metrics.csv's columns, i.e. the task."""
+    first), and the LR (per step too, when traced). The panels follow metrics.csv's columns, i.e. the task, titled
+    as the task shows them (its `shown_as`, kept in the run's config.json)."""
     rows = read_metrics(run_dir)
+    config = Path(run_dir) / "config.json"
+    shown = json.loads(config.read_text()).get("task_metrics", {}) if config.is_file() else {}
     epochs = [r["epoch"] for r in rows]
     names = [k[len("val_") :] for k in rows[0] if k.startswith("val_")]
     plt = _pyplot()
@@ -35,7 +39,7 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
         for split, label in (("train", "train"), ("val", "validation")):
             if f"{split}_{name}" in rows[0]:
                 ax.plot(epochs, [r[f"{split}_{name}"] for r in rows], "o-", label=label)
-        ax.set(title=name, xlabel="epoch", ylabel=name)
+        ax.set(title=shown.get(name, {}).get("title", name), xlabel="epoch", ylabel=name)
     ax_lr = axes[-1]
     ax_lr.plot(epochs, [r["lr"] for r in rows], "o", label="end of epoch")
     if lr_trace and steps_per_epoch:

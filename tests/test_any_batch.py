@@ -130,6 +130,11 @@ class OneElementUnits(DictTask):
         return torch.tensor([float(targets.numel())])  # shape (1,), on the CPU
 
 
+class FractionUnits(DictTask):
+    def units(self, inputs, targets):
+        return (targets > 0).float().mean() * 0 + 0.5  # a fraction of the batch, not a count
+
+
 class ScalarSums(DictTask):
     def metric_sums(self, outputs, targets):
         return {"acc": (outputs.argmax(1) == targets).sum()}
@@ -165,6 +170,8 @@ def test_dict_inputs_and_a_tuple_output_train_and_evaluate_exactly(name, tmp_pat
         ("ScalarSums", "the task's model output (on inputs of dict(a: tensor (4, 6) float32, b: tensor (4, 3) float32, "
          "note: list(str, str, str, str))) does not fit its metric_sums() (AttributeError: 'tuple' object has no "
          "attribute 'argmax')"),
+        ("FractionUnits", "the task's units() must count the units the loss averages over (a whole number, e.g. "
+         "mask.sum()), got 0.5: a mean or a fraction would weigh the batches wrongly"),
         ("NoUnits", "optimizer step(s) of epoch 1 held no units: the task's units() gave 0 for every micro-batch"),
     ],
 )  # fmt: skip

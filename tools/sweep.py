@@ -197,7 +197,8 @@ def write_results(out: Path, results: dict[str, list[dict]], command: str, metri
         f"Base LR: the LR after scaling for that batch. {metric['title']}, final: the validation value after the "
         "last epoch, the mean over the runs (one per seed) ± their sample standard deviation (min–max). vs best "
         f"batch-{smallest}: the difference from the best mean at the smallest batch ({reference:.2f}{unit}). best "
-        "epoch: the mean of each run's best epoch. Time to train: the mean sum of the epochs' training times, "
+        f"epoch: {metric['title']} at each run's best epoch, the mean over the runs. Time to train: the mean sum "
+        "of the epochs' training times, "
         "without start-up or evaluation.",
         "",
         f"Wall time of the cells, start-up and evaluation included: {wall / 60:.1f} min"
@@ -216,9 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         extra = argv[argv.index("--") + 1 :]
         argv = argv[: argv.index("--")]
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", required=True, help="global batch sizes")
-    parser.add_argument("--optimizers", nargs="+", default=["sgd", "lars"])
+    parser.add_argument(
+        "--optimizers", nargs="+", default=["sgd", "lars"], help="one table per optimizer (default: sgd lars)"
+    )
     parser.add_argument("--epochs", type=int, default=None,
                         help="epochs per cell (default: 10, or what each recipe says)")  # fmt: skip
     parser.add_argument(
@@ -227,12 +232,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="warmup of every cell (default: 2, or half of --epochs when that is shorter; or what each recipe says)",
     )
-    parser.add_argument("--ref-batch-size", type=int, default=32, help="the batch each --base-lr is given for")
-    parser.add_argument("--base-lr", nargs="*", default=[], metavar="OPT=LR", help="e.g. sgd=0.05 lars=2")
-    parser.add_argument("--lr-scaling", nargs="*", default=[], metavar="OPT=RULE", help="e.g. sgd=linear lars=sqrt")
+    parser.add_argument(
+        "--ref-batch-size", type=int, default=32, help="the batch each --base-lr is given for (default: 32)"
+    )
+    given = " ".join(f"{k}={v}" for k, v in DEFAULT_LR.items())
+    parser.add_argument(
+        "--base-lr", nargs="*", default=[], metavar="OPT=LR", help=f"LR per optimizer (default: {given})"
+    )
+    rules = " ".join(f"{k}={v}" for k, v in DEFAULT_SCALING.items())
+    parser.add_argument(
+        "--lr-scaling", nargs="*", default=[], metavar="OPT=RULE", help=f"LR rule with the batch (default: {rules})"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="run each cell once per seed; mean ± spread (default: run.py's seed, once)")  # fmt: skip
-    parser.add_argument("--nproc", type=int, default=2, help="processes per cell")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per cell (default: 2)")
     parser.add_argument("--out", required=True, help="the sweep folder")
     parser.add_argument("--config", default=None, metavar="FILE.toml", help="run.py flags for every cell")
     parser.add_argument("--metric", default=None, metavar="NAME",

@@ -56,7 +56,10 @@ def monitored_metric(task_class: type, flag: str | None) -> str:
     bare = name[4:] if name.startswith("val_") else name
     if bare not in names:
         where = "--monitor-metric" if flag is not None else "the task's monitor"
-        raise UserError(f"{where} {name!r} is not a reported metric: use one of {', '.join(names)}")
+        raise UserError(
+            f"{where} {name!r} is not a reported metric: use one of {', '.join(names)}, or name it in the task's "
+            f"`better` (e.g. better = {{{bare!r}: 'max'}})"
+        )
     return f"val_{bare}"
 
 

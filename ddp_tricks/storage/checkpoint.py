@@ -88,11 +88,13 @@ def restore_model(model: torch.nn.Module, state: dict, source: str) -> None:
                 raise RuntimeError("shapes")
         else:
             model.load_state_dict(state["model"])
-    except RuntimeError:
-        saved = state.get("config", {}).get("model", "another model")
+    except RuntimeError as error:
+        saved = state.get("config", {}).get("model")
+        details = [line.strip().rstrip(".") for line in str(error).splitlines()[1:] if line.strip()]
+        first = f" ({details[0][:150]}{' ...' if len(details[0]) > 150 else ''})" if details else ""
         raise UserError(
-            f"checkpoint {source!r} holds weights of {saved!r} that do not fit this task's model; "
-            "resume with the flags it was trained with"
+            f"checkpoint {source!r} holds weights{f' of {saved!r}' if saved else ''} that do not fit this task's "
+            f"model{first}; resume with the flags it was trained with"
         ) from None
 
 

@@ -54,6 +54,11 @@ def check_task(task, model: nn.Module, dataset, collate=None) -> list[str]:
         raise UserError(f"the task's units() must give the batch's count of units as one number, not {describe(units)}")
     if not 0 <= float(units) < float("inf"):
         raise UserError(f"the task's units() must give a count >= 0, got {float(units)}")
+    if float(units) != int(float(units)):
+        raise UserError(
+            f"the task's units() must count the units the loss averages over (a whole number, e.g. mask.sum()), "
+            f"got {float(units):.6g}: a mean or a fraction would weigh the batches wrongly"
+        )
     modes = getattr(task, "better", {})
     if any(mode not in ("min", "max") for mode in modes.values()):
         raise UserError(f"the task's `better` must map each metric to 'min' or 'max', got {modes}")
