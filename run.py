@@ -152,11 +152,13 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
         show = not flags.no_progress and t.rank == 0
         progress = loop.progress_bar(show, len(steps), f"epoch {epoch}/{flags.epochs}")
-        result = loop.train_one_epoch(
-            t, steps, train_loader, first_step, progress, flags.log_interval, checkpoints.after_step
-        )
-        if progress is not None:
-            progress.close()
+        try:
+            result = loop.train_one_epoch(
+                t, steps, train_loader, first_step, progress, flags.log_interval, checkpoints.after_step
+            )
+        finally:  # an error's line then starts a line of its own
+            if progress is not None:
+                progress.close()
         if result is None:
             where = f"epoch {epoch}, step {t.global_step}"
             log.info("preempted at %s: %s written; continue with --resume auto", where, checkpoint.LAST[flags.strategy])

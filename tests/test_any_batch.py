@@ -172,7 +172,8 @@ def test_dict_inputs_and_a_tuple_output_train_and_evaluate_exactly(name, tmp_pat
          "attribute 'argmax')"),
         ("FractionUnits", "the task's units() must count the units the loss averages over (a whole number, e.g. "
          "mask.sum()), got 0.5: a mean or a fraction would weigh the batches wrongly"),
-        ("NoUnits", "optimizer step(s) of epoch 1 held no units: the task's units() gave 0 for every micro-batch"),
+        ("NoUnits", "optimizer step(s) so far in epoch 1 held no units: the task's units() gave 0 for every "
+         "micro-batch"),
     ],
 )  # fmt: skip
 def test_what_the_template_checks_on_a_structured_task_is_one_line(name, message, tmp_path, capsys):

@@ -158,9 +158,9 @@ class Training:
         nothing: said as a user error, on every rank together (the count was all-reduced)."""
         if isinstance(self.empty_steps, torch.Tensor) and self.empty_steps.item() > 0:
             raise UserError(
-                f"{int(self.empty_steps.item())} optimizer step(s) of epoch {self.epoch} held no units: the task's "
-                "units() gave 0 for every micro-batch of the step on every rank; every step needs at least one unit "
-                "(a real token, pixel or sample): check units() and the data"
+                f"{int(self.empty_steps.item())} optimizer step(s) so far in epoch {self.epoch} held no units: the "
+                "task's units() gave 0 for every micro-batch of the step on every rank; every step needs at least one "
+                "unit (a real token, pixel or sample): check units() and the data"
             )
 
     def state_dict(self) -> dict:
