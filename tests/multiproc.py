@@ -6,9 +6,11 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -70,9 +72,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, reporting=None, 
     return [results[r] for r in reporting]
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | None = None, extra=()):
-    """`torchrun --standalone --nproc_per_node=N run.py ARGS`, as a user types it."""
-    cmd = [
+def _torchrun_command(args: list[str], nproc: int = 2, extra=()) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -82,7 +83,25 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | 
         str(REPO / "run.py"),
         *args,
     ]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | None = None, extra=()):
+    """`torchrun --standalone --nproc_per_node=N run.py ARGS`, as a user types it."""
+    cmd = _torchrun_command(args, nproc, extra)
     return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def preempted(args: list[str], checkpoint: Path, timeout: float = 120) -> tuple[str, str]:
+    """`torchrun` run.py ARGS on 2 ranks, SIGTERM to the launcher (which forwards it to every worker) as soon as
+    `checkpoint` exists; the launcher's (stdout, stderr). Both waits are bounded."""
+    proc = subprocess.Popen(
+        _torchrun_command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + timeout
+    while not checkpoint.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    return proc.communicate(timeout=timeout)
 
 
 def python_run(args: list[str], timeout: float = 240, cwd: Path | None = None):

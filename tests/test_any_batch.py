@@ -6,16 +6,11 @@ import collections
 import csv
 import dataclasses
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from multiproc import REPO, run_ranks, torchrun
+from multiproc import preempted, run_ranks, torchrun
 from torch import nn
 
 import run
@@ -348,14 +343,8 @@ def test_language_model_under_torchrun_exact_eval_accumulation_resume_trace_and_
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
 
     # 3. SIGTERM mid-epoch, then --resume auto: bit-identical to the uninterrupted run.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "run.py"),
-           *flags, "-b", "4", "-e", "2", "-n", "pre", "--checkpoint-every-steps", "10"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (tmp_path / "pre" / "last.pt").exists() and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = preempted([*flags, "-b", "4", "-e", "2", "-n", "pre", "--checkpoint-every-steps", "10"],
+                         tmp_path / "pre" / "last.pt")  # fmt: skip
     assert "preempted" in out, (out + err)[-3000:]
     resumed = torchrun([*flags, "-b", "4", "-e", "2", "-n", "pre", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -7,7 +7,7 @@ import math
 import pytest
 import tiny
 import torch
-from multiproc import REPO, run_ranks, torchrun
+from multiproc import REPO, preempted, run_ranks, torchrun
 from torch import nn
 
 import run
@@ -247,11 +247,6 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_traced_run_with_fp16_and_clipping_resumes_mid_epoch_bit_identically(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
     trace = str(REPO / "examples" / "traces" / "doubling.csv")
     flags = ["--batch-trace", trace, "--batch-size", "8", "--trace-end", "repeat-last", "--amp", "fp16",
@@ -259,14 +254,7 @@ def test_traced_run_with_fp16_and_clipping_resumes_mid_epoch_bit_identically(tmp
              "--runs-dir", str(tmp_path)]  # fmt: skip
     full = torchrun([*flags, "-n", "full"])
     assert full.returncode == 0, full.stderr[-3000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "run.py"), *flags, "-n", "part", "--checkpoint-every-steps", "3"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (tmp_path / "part" / "last.pt").exists() and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = preempted([*flags, "-n", "part", "--checkpoint-every-steps", "3"], tmp_path / "part" / "last.pt")
     assert "preempted at epoch 1" in out, (out + err)[-3000:]
     saved = torch.load(tmp_path / "part" / "last.pt", weights_only=True)
     assert saved["step_in_epoch"] > 0 and saved["scaler"] is not None  # mid-epoch, with the GradScaler's state

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import REPO, run_ranks, torchrun
+from multiproc import REPO, preempted, run_ranks, torchrun
 from torch import nn
 
 import run
@@ -193,14 +193,8 @@ def _rows(run_dir):
 def test_sigterm_and_resume_under_fsdp_are_bit_identical(tmp_path):
     full = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "full", "-e", "2"])
     assert full.returncode == 0, full.stderr[-3000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "run.py"),
-           *FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--checkpoint-every-steps", "10"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (tmp_path / "pre" / "last.dcp").exists() and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    argv = [*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--checkpoint-every-steps", "10"]
+    out, err = preempted(argv, tmp_path / "pre" / "last.dcp")
     assert "preempted" in out, (out + err)[-3000:]
     resumed = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

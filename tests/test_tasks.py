@@ -5,15 +5,11 @@ and every mistake in a task file as one line."""
 import csv
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from multiproc import REPO, python_run, torchrun
+from multiproc import REPO, preempted, python_run, torchrun
 
 import run
 from ddp_tricks import cli as config
@@ -70,12 +66,6 @@ def plain_metrics(example, run_dir):
     }
 
 
-def _launch(args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "run.py"),
-           *args]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("example", list(EXAMPLES))
@@ -98,12 +88,7 @@ def test_example_task_under_torchrun_exact_eval_accumulation_and_resume(example,
 
     # 3. SIGTERM mid-run (after the first mid-epoch checkpoint), then --resume auto: bit-identical.
     run_dir = tmp_path / "pre"
-    proc = _launch([*long_run, "-n", "pre", "--checkpoint-every-steps", "20"])
-    deadline = time.time() + 120
-    while not (run_dir / "last.pt").exists() and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGTERM)  # to the launcher, which forwards it to every worker
-    out, err = proc.communicate(timeout=120)
+    out, err = preempted([*long_run, "-n", "pre", "--checkpoint-every-steps", "20"], run_dir / "last.pt")
     assert "preempted" in out, (out + err)[-3000:]
     resumed = torchrun([*long_run, "-n", "pre", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
