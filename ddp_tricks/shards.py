@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 
-def is_sharded(tensor) -> bool:
+def is_dtensor(tensor) -> bool:
     """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (up to a second), so that
     `import lars` stays light: until FSDP (or anything else) has imported it, no tensor can be one."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -25,13 +25,13 @@ def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a tensor this rank holds: a DTensor's local slice (sharing its storage), else the tensor."""
-    return tensor._local_tensor if is_sharded(tensor) else tensor
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
 
 
 def shard_group(params: list[torch.Tensor]):
     """The process group over which `params` are sharded (None: whole tensors). One group's tensors are all
     sharded or all whole."""
-    sharded = [is_sharded(p) for p in params]
+    sharded = [is_dtensor(p) for p in params]
     if not any(sharded):
         return None
     if not all(sharded):
@@ -41,7 +41,7 @@ def shard_group(params: list[torch.Tensor]):
 
 def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """`value` (a local slice) as a tensor like `param`: a DTensor sharded as it is, or `value` itself."""
-    if not is_sharded(param):
+    if not is_dtensor(param):
         return value
     from torch.distributed.tensor import DTensor
 

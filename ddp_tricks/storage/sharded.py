@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_tricks.errors import UserError
-from ddp_tricks.shards import is_sharded
+from ddp_tricks.shards import is_dtensor
 from ddp_tricks.storage.files import save as save_file
 
 LINK = "last.dcp"
@@ -27,7 +27,7 @@ STATE = "state.pt"  # what rank 0 writes: the state with each sharded tensor rep
 
 def _split(value, key: str, sharded: dict):
     """`value` with each DTensor replaced by {"__sharded__": key, shape, dtype}, the DTensors put in `sharded`."""
-    if is_sharded(value):
+    if is_dtensor(value):
         sharded[key] = value
         return {"__sharded__": key, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
     if isinstance(value, dict):
@@ -144,8 +144,8 @@ def fill(state: dict, path: str | Path, model: torch.nn.Module, optimizer_params
 
     live = model.state_dict()
     targets = {}
-    mesh = next(p.device_mesh for p in optimizer_params if is_sharded(p))
-    placements = next(p.placements for p in optimizer_params if is_sharded(p))
+    mesh = next(p.device_mesh for p in optimizer_params if is_dtensor(p))
+    placements = next(p.placements for p in optimizer_params if is_dtensor(p))
     for holder in _placeholders(state):
         key = holder["__sharded__"]
         name = key.removeprefix("state/model/")
