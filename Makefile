@@ -12,10 +12,12 @@ ARGS ?=
 
 install-all: $(STAMP)
 
-# Re-installs only when a requirements file changed; seconds otherwise.
-$(STAMP): requirements.txt requirements-dev.txt
+# Re-installs only when a requirements file or pyproject.toml changed; seconds otherwise. The project itself is
+# installed in development mode (pip install -e .), so bench/, tools/ and examples/ import it like any library.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
 # NPROC unset: one process per visible GPU, or 2 without a GPU (torch answers from the driver; no CUDA context).

@@ -13,27 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ddp_tricks import cli as config  # noqa: E402
-from ddp_tricks import (
-    models,  # noqa: E402
-    plan,  # noqa: E402
-)
-from ddp_tricks.data import images as image_data  # noqa: E402
-from ddp_tricks.data import loaders as data  # noqa: E402
-from ddp_tricks.schedules import schedule as schedulers  # noqa: E402
-from ddp_tricks.training.loop import train_one_epoch  # noqa: E402
-from ddp_tricks.training.precision import DTYPES, Precision  # noqa: E402
-from ddp_tricks.training.state import Training  # noqa: E402
-from lars import LARS  # noqa: E402
+from ddp_tricks import cli as config
+from ddp_tricks import models, plan
+from ddp_tricks.data import images as image_data
+from ddp_tricks.data import loaders as data
+from ddp_tricks.schedules import schedule as schedulers
+from ddp_tricks.training.loop import train_one_epoch
+from ddp_tricks.training.precision import DTYPES, Precision
+from ddp_tricks.training.state import Training
+from lars import LARS
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -16,20 +16,16 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ddp_tricks.distributed import fsdp  # noqa: E402
-from ddp_tricks.optim import build as optimizers  # noqa: E402
-from ddp_tricks.shards import local  # noqa: E402
+from ddp_tricks.distributed import fsdp
+from ddp_tricks.optim import build as optimizers
+from ddp_tricks.shards import local
 
 
 def model_of(width: int) -> nn.Module:

@@ -15,18 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torchvision
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lamb import LAMB  # noqa: E402
-from lars import LARS, LARSWrapper  # noqa: E402
-from lookahead import Lookahead  # noqa: E402
+from lamb import LAMB
+from lars import LARS, LARSWrapper
+from lookahead import Lookahead
 
 LR, MOMENTUM, WD = 0.1, 0.9, 1e-4
 LARS_GOAL = 1.4  # LARS step time over SGD(foreach=True), on CUDA

@@ -14,14 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from ddp_tricks import cli  # noqa: E402
-from ddp_tricks.data import loaders  # noqa: E402
-from ddp_tricks.storage import checkpoint, run_folder  # noqa: E402
-from ddp_tricks.training import batches, precise_bn, seam  # noqa: E402
+from ddp_tricks import cli
+from ddp_tricks.data import loaders
+from ddp_tricks.storage import checkpoint, run_folder
+from ddp_tricks.training import batches, precise_bn, seam
 
 
 def evaluate(task, model, dataset, collate=None, batch: int = 1000) -> dict[str, float]:

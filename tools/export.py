@@ -18,12 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from ddp_tricks.errors import UserError, report  # noqa: E402
-from ddp_tricks.storage import sharded  # noqa: E402
+from ddp_tricks.errors import UserError, report
+from ddp_tricks.storage import sharded
 
 
 def full_state(path: str | Path) -> dict[str, dict[str, torch.Tensor]]:

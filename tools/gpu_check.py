@@ -66,7 +66,9 @@ def run_bench() -> dict:
     """bench/optim_step.py --device cuda, its lines shown as they come; its last line is its JSON summary."""
     command = [sys.executable, BENCH, "--device", "cuda"]
     print("gpu-check: " + " ".join(command[1:]), flush=True)
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    # the machine's own Python has no `pip install -e .` of this repo: the repo goes on its path instead
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     last = ""
     with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env) as process:
         for line in process.stdout:

@@ -12,10 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ddp_tricks import plots  # noqa: E402
-from ddp_tricks.storage import run_folder  # noqa: E402
+from ddp_tricks import plots
+from ddp_tricks.storage import run_folder
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,13 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ddp_tricks import (
-    cli,  # noqa: E402
-    plots,  # noqa: E402
-)
-from ddp_tricks.storage import run_folder  # noqa: E402
+from ddp_tricks import cli, plots
+from ddp_tricks.storage import run_folder
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2}
