@@ -168,6 +168,17 @@ def test_a_traced_step_makes_no_host_sync_and_adascale_its_documented_one():
     assert syncs_per_step(traced(batch_trace.AdaScale()), trace=trace, micro_batch=16) == [["tolist"]] * (STEPS - 1)
 
 
+def test_an_idle_rank_s_adascale_step_makes_only_its_one_sync():
+    """A traced step can leave a rank without a micro-batch: its sum of squared norms is then a host 0."""
+    model = nn.Linear(4, 2)
+    reduction = batch_trace.TraceReduction(list(model.parameters()), 8, batch_trace.AdaScale())
+    counter = HostSyncs()
+    with counter:
+        assert reduction.finish(16) == 1.0
+    counter.after_step(None)
+    assert counter.per_step == [["tolist"]]
+
+
 def test_the_counter_sees_each_kind_of_host_sync():
     """The counter itself: every read it claims to count, and a device tensor made from host data."""
     counter = HostSyncs()
