@@ -299,6 +299,49 @@ def test_torchrun_two_gpus(flags, tmp_path):
 
 
 @cuda_test
+@pytest.mark.timeout(600)
+def test_deterministic_toy_run_on_cuda_trains_without_a_warning_and_repeats_bit_for_bit(tmp_path):
+    """--deterministic with the default model on CUDA: AdaptiveAvgPool2d's backward has no deterministic kernel
+    there, and with torch.use_deterministic_algorithms(True) the first backward raised. The toy's pooling tiles the
+    8x8 digits, so it runs deterministic kernels only: no warning, and two runs agree to the bit."""
+    weights = []
+    for name in ("a", "b"):
+        flags = ["--device", "cuda", "-e", "1", "--no-progress", "-n", name, "--deterministic"]
+        result = python_run([*flags, "--runs-dir", str(tmp_path)], timeout=270)
+        assert_trained(result, tmp_path / name)
+        assert "does not have a deterministic implementation" not in result.stdout + result.stderr
+        assert "--deterministic: an op without a deterministic kernel warns once" in result.stdout
+        weights.append(torch.load(tmp_path / name / "last.pt", weights_only=True)["model"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+@cuda_test
+def test_deterministic_mode_on_cuda_warns_once_for_an_op_without_a_deterministic_kernel():
+    """A user's model may use such an op: adaptive pooling whose windows overlap (7 -> 2). Its backward warns once,
+    however many steps run, and the step goes on. The toy models' pooling, where it tiles, warns not at all and
+    gives adaptive pooling's gradient."""
+    from test_seeds_models import deterministic_mode, nondeterministic_warnings
+
+    from ddp_tricks import models
+
+    x = torch.randn(2, 3, 7, 7, device="cuda", requires_grad=True)
+    tiled = torch.randn(2, 3, 8, 8, device="cuda", dtype=torch.float64, requires_grad=True)
+    weight = torch.arange(4.0, device="cuda", dtype=torch.float64).view(2, 2)
+    toy_pool = models.build("toy", 3, 10).features[-1]
+    with deterministic_mode() as caught:
+        for _ in range(3):
+            nn.functional.adaptive_avg_pool2d(x, 2).sum().backward()
+        warned = nondeterministic_warnings(caught)
+        ours = torch.autograd.grad((toy_pool(tiled) * weight).sum(), tiled)[0]
+        assert nondeterministic_warnings(caught) == warned  # the toy's pooling added none
+    assert len(warned) == 1 and warned[0].startswith("adaptive_avg_pool2d_backward_cuda"), warned
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    theirs = torch.autograd.grad((nn.functional.adaptive_avg_pool2d(tiled, 2) * weight).sum(), tiled)[0]
+    torch.testing.assert_close(ours, theirs)
+
+
+@cuda_test
 def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
     """run.py's loop (ddp_tricks.training.loop.train_one_epoch) on one GPU: from step 3 to step 11 any host-device
     synchronisation raises (`set_sync_debug_mode("error")`); the logging interval (1000) is never reached, so none is
