@@ -7,6 +7,7 @@ runs them). The code paths a CUDA graph needs (capturable LAMB and Lookahead) ar
 import copy
 import csv
 import math
+import warnings
 
 import pytest
 import torch
@@ -378,3 +379,57 @@ def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert seen == list(range(1, 13)) and math.isfinite(row["train_loss"])
+
+
+SYNC_CASES = {  # (--amp, --on-nonfinite, what goes wrong, host syncs per step): docs/performance.md's table
+    "fp32": ("off", "stop", None, 0),
+    "fp16": ("fp16", "stop", None, 1),  # GradScaler's own read of its inf flag
+    "fp16 overflowing": ("fp16", "stop", "overflow", 1),
+    "skip fp32, a NaN step": ("off", "skip", "nan", 1),
+    "skip bf16, a NaN step": ("bf16", "skip", "nan", 1),
+}
+
+
+@cuda_test
+@pytest.mark.parametrize("amp, on_nonfinite, trouble, per_step", SYNC_CASES.values(), ids=SYNC_CASES.keys())
+def test_a_step_makes_exactly_its_documented_host_syncs_on_cuda(amp, on_nonfinite, trouble, per_step):
+    """test_host_syncs.py's counts, by CUDA's own detector: set_sync_debug_mode("warn") warns at every synchronising
+    call (a read, a blocking copy either way, an op of data-dependent shape), from step 2 to the last."""
+    import tiny
+
+    from ddp_tricks import plan
+    from ddp_tricks.data import images as image_data
+    from ddp_tricks.training.loop import train_one_epoch
+    from ddp_tricks.training.precision import Precision
+
+    device = torch.device("cuda")
+    train_set, _ = image_data.digits()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    t = tiny.training(model, opt, on_nonfinite=on_nonfinite)
+    t.device, t.precision = device, Precision(amp, device)
+    if trouble == "overflow":  # every step's fp16 gradients overflow: the scaler skips them all
+        t.precision.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**60)
+    steps = plan.make(num_train=len(train_set), world_size=1, micro_batch=32, accum_steps=1, epochs=1, seed=0,
+                      base_lr=0.05, lr_scaling="keep", base_batch=32, warmup_epochs=0).epoch(1, 0)[:6]  # fmt: skip
+    batches = list(tiny.loader_for(train_set, steps))  # on the host; the loop copies them (non-blocking)
+    if trouble == "nan":
+        batches[3] = (torch.full_like(batches[3][0], float("nan")), batches[3][1])
+    syncs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def after_step(t):
+            syncs.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
+            caught.clear()
+            torch.cuda.set_sync_debug_mode("warn")  # from the end of step 1 on
+            return False
+
+        try:
+            train_one_epoch(t, steps, batches, log_interval=1000, after_step=after_step)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert syncs[1:] == [per_step] * (len(steps) - 1)
+    skipped = {None: 0, "overflow": len(steps), "nan": 1}[trouble]
+    assert t.skipped_steps == skipped and t.global_step == len(steps)
