@@ -1,7 +1,8 @@
 """On a GPU: every optimizer's step without a host sync and inside a CUDA graph, LARS and LAMB against their
-float64 references, run.py end to end (nccl, AMP, channels-last, compile, SyncBN, pinned workers), and fp16
-overflow skipping a step. Those tests are marked `cuda` and skip without a CUDA device (`make gpu-check`
-runs them). The code paths a CUDA graph needs (capturable LAMB and Lookahead) are also checked here on the CPU.
+float64 references, run.py end to end (nccl, AMP, channels-last, compile, SyncBN, pinned workers, --deterministic),
+fp16 overflow skipping a step, and the host syncs of a loop step (fp16, --on-nonfinite skip). Those tests are marked
+`cuda` and skip without a CUDA device (`make gpu-check` runs them). The code paths a CUDA graph needs (capturable
+LAMB and Lookahead) are also checked here on the CPU.
 """
 
 import copy
