@@ -1,10 +1,12 @@
-"""Seeds for python, numpy and torch (and DataLoader workers), and EarlyStopping, with the names the original
-template used: `same_seeds(seed)`, `EarlyStopping(patience, verbose, delta)`.
+"""Seeds for python, numpy and torch (and DataLoader workers), deterministic algorithms, and EarlyStopping, with the
+names the original template used: `same_seeds(seed)`, `EarlyStopping(patience, verbose, delta)`.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -19,13 +21,22 @@ def same_seeds(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def use_deterministic_algorithms() -> None:
-    """torch.use_deterministic_algorithms(True), with what CUDA needs for it (a cuBLAS workspace, no autotuning)."""
-    import os
+# torch's warnings for an op that has no deterministic kernel, and for a cuBLAS workspace that is not deterministic
+NONDETERMINISTIC = (r".* does not have a deterministic implementation", r"Deterministic behavior was enabled")
 
+
+def use_deterministic_algorithms(show_warnings: bool = True) -> None:
+    """torch.use_deterministic_algorithms(True), with what CUDA needs for it (a cuBLAS workspace, no autotuning).
+
+    An op without a deterministic kernel (on CUDA: the backward of AdaptiveAvgPool2d, bilinear interpolation and
+    reflection padding, cross-entropy over 4-D outputs, ...) warns instead of ending the run, once per op
+    (`show_warnings=False`: never, for the ranks that do not print); a run that uses one is not bit-reproducible.
+    """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
+    for message in NONDETERMINISTIC:  # torch warns at every call: a run would repeat it at every step
+        warnings.filterwarnings("once" if show_warnings else "ignore", message=message, category=UserWarning)
 
 
 def seed_worker(worker_id: int) -> None:

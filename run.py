@@ -117,6 +117,11 @@ def run(flags, task, process: launch.Launch) -> int:
         flags.lr_scaling,
         plan.steps_per_epoch,
     )
+    if flags.deterministic:
+        log.info(
+            "--deterministic: an op without a deterministic kernel warns once, by name, instead of stopping the run; "
+            "a run that uses one is not bit-reproducible"
+        )
     if flags.plot_lr:
         if dist.is_main:
             log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path))
@@ -220,7 +225,7 @@ def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: lau
     """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer, the schedule, precision, best
     and early stopping."""
     if flags.deterministic:
-        use_deterministic_algorithms()
+        use_deterministic_algorithms(show_warnings=dist.is_main)
     memory_format = torch.channels_last if flags.channels_last else torch.preserve_format
     model = model.to(dist.device, memory_format=memory_format)
     if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters

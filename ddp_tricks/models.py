@@ -19,6 +19,26 @@ def _halve() -> nn.Module:
     return nn.MaxPool2d(2, ceil_mode=True)  # ceil: an odd side keeps its last row, a 1-pixel map stays 1 pixel
 
 
+class _AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+    """nn.AdaptiveAvgPool2d to `output_size` x `output_size`, whose backward has no deterministic CUDA kernel: under
+    --deterministic on CUDA, where its windows tile the input (each side a multiple of `output_size`, as for the
+    built-in data), the same means come from avg_pool2d, whose backward is deterministic. Elsewhere torch's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = tiling_kernel(x.shape[-2:], self.output_size)
+        if kernel is not None and x.is_cuda and torch.are_deterministic_algorithms_enabled():
+            return nn.functional.avg_pool2d(x, kernel)
+        return super().forward(x)
+
+
+def tiling_kernel(size, output_size: int) -> tuple[int, int] | None:
+    """The avg_pool2d kernel (its stride too) whose windows are adaptive pooling's to `output_size` x `output_size`
+    on an input of `size` (height, width); None where a side is not a multiple of it (those windows overlap)."""
+    if any(side % output_size for side in size):
+        return None
+    return tuple(side // output_size for side in size)
+
+
 class _FeaturesHead(nn.Module):
     """`features` then a linear `head` on their flattened output."""
 
@@ -35,7 +55,7 @@ class ToyCNN(_FeaturesHead):
     def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32):
         super().__init__()
         self.features = nn.Sequential(
-            *_conv_block(in_channels, width), *_conv_block(width, 2 * width), nn.AdaptiveAvgPool2d(2)
+            *_conv_block(in_channels, width), *_conv_block(width, 2 * width), _AdaptiveAvgPool2d(2)
         )
         self.head = nn.Linear(8 * width, num_classes)
 
@@ -49,7 +69,7 @@ class ToyCNN3(_FeaturesHead):
         super().__init__()
         self.features = nn.Sequential(
             *_conv_block(in_channels, width), _halve(), *_conv_block(width, 2 * width), _halve(),
-            *_conv_block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1),
+            *_conv_block(2 * width, 4 * width), _AdaptiveAvgPool2d(1),
         )  # fmt: skip
         self.head = nn.Linear(4 * width, num_classes)
 

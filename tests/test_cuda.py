@@ -1,12 +1,14 @@
 """On a GPU: every optimizer's step without a host sync and inside a CUDA graph, LARS and LAMB against their
-float64 references, run.py end to end (nccl, AMP, channels-last, compile, SyncBN, pinned workers), and fp16
-overflow skipping a step. Those tests are marked `cuda` and skip without a CUDA device (`make gpu-check`
-runs them). The code paths a CUDA graph needs (capturable LAMB and Lookahead) are also checked here on the CPU.
+float64 references, run.py end to end (nccl, AMP, channels-last, compile, SyncBN, pinned workers, --deterministic),
+fp16 overflow skipping a step, and the host syncs of a loop step (fp16, --on-nonfinite skip). Those tests are marked
+`cuda` and skip without a CUDA device (`make gpu-check` runs them). The code paths a CUDA graph needs (capturable
+LAMB and Lookahead) are also checked here on the CPU.
 """
 
 import copy
 import csv
 import math
+import warnings
 
 import pytest
 import torch
@@ -299,6 +301,49 @@ def test_torchrun_two_gpus(flags, tmp_path):
 
 
 @cuda_test
+@pytest.mark.timeout(600)
+def test_deterministic_toy_run_on_cuda_trains_without_a_warning_and_repeats_bit_for_bit(tmp_path):
+    """--deterministic with the default model on CUDA: AdaptiveAvgPool2d's backward has no deterministic kernel
+    there, and with torch.use_deterministic_algorithms(True) the first backward raised. The toy's pooling tiles the
+    8x8 digits, so it runs deterministic kernels only: no warning, and two runs agree to the bit."""
+    weights = []
+    for name in ("a", "b"):
+        flags = ["--device", "cuda", "-e", "1", "--no-progress", "-n", name, "--deterministic"]
+        result = python_run([*flags, "--runs-dir", str(tmp_path)], timeout=270)
+        assert_trained(result, tmp_path / name)
+        assert "does not have a deterministic implementation" not in result.stdout + result.stderr
+        assert "--deterministic: an op without a deterministic kernel warns once" in result.stdout
+        weights.append(torch.load(tmp_path / name / "last.pt", weights_only=True)["model"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+@cuda_test
+def test_deterministic_mode_on_cuda_warns_once_for_an_op_without_a_deterministic_kernel():
+    """A user's model may use such an op: adaptive pooling whose windows overlap (7 -> 2). Its backward warns once,
+    however many steps run, and the step goes on. The toy models' pooling, where it tiles, warns not at all and
+    gives adaptive pooling's gradient."""
+    from test_seeds_models import deterministic_mode, nondeterministic_warnings
+
+    from ddp_tricks import models
+
+    x = torch.randn(2, 3, 7, 7, device="cuda", requires_grad=True)
+    tiled = torch.randn(2, 3, 8, 8, device="cuda", dtype=torch.float64, requires_grad=True)
+    weight = torch.arange(4.0, device="cuda", dtype=torch.float64).view(2, 2)
+    toy_pool = models.build("toy", 3, 10).features[-1]
+    with deterministic_mode() as caught:
+        for _ in range(3):
+            nn.functional.adaptive_avg_pool2d(x, 2).sum().backward()
+        warned = nondeterministic_warnings(caught)
+        ours = torch.autograd.grad((toy_pool(tiled) * weight).sum(), tiled)[0]
+        assert nondeterministic_warnings(caught) == warned  # the toy's pooling added none
+    assert len(warned) == 1 and warned[0].startswith("adaptive_avg_pool2d_backward_cuda"), warned
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    theirs = torch.autograd.grad((nn.functional.adaptive_avg_pool2d(tiled, 2) * weight).sum(), tiled)[0]
+    torch.testing.assert_close(ours, theirs)
+
+
+@cuda_test
 def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
     """run.py's loop (ddp_tricks.training.loop.train_one_epoch) on one GPU: from step 3 to step 11 any host-device
     synchronisation raises (`set_sync_debug_mode("error")`); the logging interval (1000) is never reached, so none is
@@ -335,3 +380,57 @@ def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert seen == list(range(1, 13)) and math.isfinite(row["train_loss"])
+
+
+SYNC_CASES = {  # (--amp, --on-nonfinite, what goes wrong, host syncs per step): docs/performance.md's table
+    "fp32": ("off", "stop", None, 0),
+    "fp16": ("fp16", "stop", None, 1),  # GradScaler's own read of its inf flag
+    "fp16 overflowing": ("fp16", "stop", "overflow", 1),
+    "skip fp32, a NaN step": ("off", "skip", "nan", 1),
+    "skip bf16, a NaN step": ("bf16", "skip", "nan", 1),
+}
+
+
+@cuda_test
+@pytest.mark.parametrize("amp, on_nonfinite, trouble, per_step", SYNC_CASES.values(), ids=SYNC_CASES.keys())
+def test_a_step_makes_exactly_its_documented_host_syncs_on_cuda(amp, on_nonfinite, trouble, per_step):
+    """test_host_syncs.py's counts, by CUDA's own detector: set_sync_debug_mode("warn") warns at every synchronising
+    call (a read, a blocking copy either way, an op of data-dependent shape), from step 2 to the last."""
+    import tiny
+
+    from ddp_tricks import plan
+    from ddp_tricks.data import images as image_data
+    from ddp_tricks.training.loop import train_one_epoch
+    from ddp_tricks.training.precision import Precision
+
+    device = torch.device("cuda")
+    train_set, _ = image_data.digits()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    t = tiny.training(model, opt, on_nonfinite=on_nonfinite)
+    t.device, t.precision = device, Precision(amp, device)
+    if trouble == "overflow":  # every step's fp16 gradients overflow: the scaler skips them all
+        t.precision.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**60)
+    steps = plan.make(num_train=len(train_set), world_size=1, micro_batch=32, accum_steps=1, epochs=1, seed=0,
+                      base_lr=0.05, lr_scaling="keep", base_batch=32, warmup_epochs=0).epoch(1, 0)[:6]  # fmt: skip
+    batches = list(tiny.loader_for(train_set, steps))  # on the host; the loop copies them (non-blocking)
+    if trouble == "nan":
+        batches[3] = (torch.full_like(batches[3][0], float("nan")), batches[3][1])
+    syncs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def after_step(t):
+            syncs.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
+            caught.clear()
+            torch.cuda.set_sync_debug_mode("warn")  # from the end of step 1 on
+            return False
+
+        try:
+            train_one_epoch(t, steps, batches, log_interval=1000, after_step=after_step)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert syncs[1:] == [per_step] * (len(steps) - 1)
+    skipped = {None: 0, "overflow": len(steps), "nan": 1}[trouble]
+    assert t.skipped_steps == skipped and t.global_step == len(steps)

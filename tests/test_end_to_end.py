@@ -58,6 +58,7 @@ def test_same_command_twice_gives_identical_metrics(tmp_path):
             ["--epochs", "2", "-n", name, "--runs-dir", str(tmp_path), "--no-progress", "--deterministic"]
         )
         assert result.returncode == 0, result.stderr[-3000:]
+        assert "--deterministic: an op without a deterministic kernel warns once" in result.stdout  # said at start
     a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     strip = (
         [{k: v for k, v in row.items() if k not in TIMING} for row in a],

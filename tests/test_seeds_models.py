@@ -1,12 +1,16 @@
-"""Seeds, the default model and torchvision models by name, EarlyStopping."""
+"""Seeds, deterministic mode, the default model and torchvision models by name, EarlyStopping."""
 
+import contextlib
+import os
 import random
+import warnings
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from customized_function import EarlyStopping, same_seeds, seed_worker
+from customized_function import EarlyStopping, same_seeds, seed_worker, use_deterministic_algorithms
 from ddp_tricks import models
 
 
@@ -29,6 +33,81 @@ def test_seed_worker_seeds_numpy_from_torch():
     torch.manual_seed(1234)
     seed_worker(0)
     assert np.random.rand() == a
+
+
+@contextlib.contextmanager
+def deterministic_mode(show_warnings=True):
+    """use_deterministic_algorithms() for the block, with warnings recorded; torch's modes, the warning filters and
+    CUBLAS_WORKSPACE_CONFIG as they were afterwards."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    benchmark, workspace = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every warning repeated (as -W always would): only ours may cut them
+            use_deterministic_algorithms(show_warnings)
+            yield caught
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = benchmark
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def nondeterministic_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "does not have a deterministic implementation" in str(w.message)]
+
+
+def test_deterministic_mode_warns_once_per_op_without_a_deterministic_kernel_instead_of_failing():
+    """torch.Tensor.put_ has no deterministic kernel on any device: the run goes on, and says so once, by name."""
+    with deterministic_mode() as caught:
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
+        for _ in range(3):  # as a training loop would, step after step
+            torch.zeros(3).put_(torch.tensor([1]), torch.tensor([2.0]))
+    (message,) = nondeterministic_warnings(caught)
+    assert message.startswith("put_ does not have a deterministic implementation")
+
+
+def test_deterministic_mode_on_ranks_that_do_not_print_is_silent():
+    with deterministic_mode(show_warnings=False) as caught:
+        torch.zeros(3).put_(torch.tensor([1]), torch.tensor([2.0]))
+    assert nondeterministic_warnings(caught) == []
+
+
+def batch_norm(index: int) -> list[str]:
+    return [
+        f"features.{index}.{key}" for key in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+    ]
+
+
+TOY_KEYS = {
+    "toy": ["features.0.weight", *batch_norm(1), "features.3.weight", *batch_norm(4), "head.weight", "head.bias"],
+    "toy3": ["features.0.weight", *batch_norm(1), "features.4.weight", *batch_norm(5), "features.8.weight"]
+    + [*batch_norm(9), "head.weight", "head.bias"],
+}
+
+
+@pytest.mark.parametrize("name, keys", TOY_KEYS.items(), ids=TOY_KEYS)
+def test_toy_models_keep_the_parameter_names_checkpoints_hold(name, keys):
+    assert list(models.build(name, 1, 10).state_dict()) == keys
+
+
+TILINGS = [((8, 8), 2, (4, 4)), ((28, 28), 2, (14, 14)), ((7, 7), 1, (7, 7)), ((4, 6), 2, (2, 3))]
+OVERLAPS = [((7, 7), 2, None), ((1, 1), 2, None)]
+
+
+@pytest.mark.parametrize("size, output, kernel", TILINGS + OVERLAPS)
+def test_tiling_windows_average_as_adaptive_pooling_does(size, output, kernel):
+    """Where the windows tile the input, avg_pool2d (the toy models' pooling under --deterministic on CUDA: its
+    backward is deterministic there) gives adaptive pooling's means and gradients."""
+    assert models.tiling_kernel(size, output) == kernel
+    if kernel is None:
+        return
+    x = torch.randn(2, 3, *size, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 3, output, output, dtype=torch.float64)
+    ours, theirs = F.avg_pool2d(x, kernel), F.adaptive_avg_pool2d(x, output)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(*(torch.autograd.grad((pooled * y).sum(), x)[0] for pooled in (ours, theirs)))
 
 
 @pytest.mark.parametrize("name", ["toy", "toy3"])

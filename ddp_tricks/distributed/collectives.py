@@ -33,12 +33,16 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def any_rank(flag: bool, device: torch.device, group=None) -> bool:
+def any_rank(flag: bool | torch.Tensor, device: torch.device, group=None) -> bool:
     """True on every rank when it is true on any rank: one decision that no rank waits behind.
 
-    With a gloo `group` the flag stays on the CPU, so asking costs no GPU synchronisation.
+    A tensor `flag` (a bool on the device) is reduced where it lies and read once: one host sync, and no copy from
+    the host. With a gloo `group` a Python flag stays on the CPU, so asking costs no GPU synchronisation.
     """
-    value = torch.tensor([1.0 if flag else 0.0], device="cpu" if group is not None else device)
+    if isinstance(flag, torch.Tensor):
+        value = flag.reshape(1).to(torch.float32, copy=True)  # the caller's flag is not reduced in place
+    else:
+        value = torch.full((1,), float(flag), device="cpu" if group is not None else device)  # a fill: no copy
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return bool(value.item() > 0)

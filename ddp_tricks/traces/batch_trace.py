@@ -169,7 +169,9 @@ def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_n
     (every rank takes part, also one with no micro-batch, which adds exactly zero) and, for AdaScale, the
     micro-batch gradients' squared norms; `p.grad` becomes the sum. Returns AdaScale's gain (one host sync), or 1.
     """
-    extras = [torch.as_tensor(sq_norms, dtype=torch.float64, device=params[0].device).reshape(1)] if adascale else []
+    if adascale and not isinstance(sq_norms, torch.Tensor):  # a rank with no micro-batch: a fill, no host copy
+        sq_norms = torch.full((), float(sq_norms), dtype=torch.float64, device=params[0].device)
+    extras = [sq_norms.to(torch.float64).reshape(1)] if adascale else []
     tensors = grads + extras
     if dist.is_available() and dist.is_initialized() and tensors:
         flat = torch.cat([t.reshape(-1) for t in tensors])

@@ -160,7 +160,7 @@ def train_one_epoch(
         gain = t.reduction.finish(step.batch) if t.reduction is not None else 1.0
         if t.adascale is not None:
             factor *= gain
-        if skip_nonfinite and any_rank(step_nonfinite.item(), t.device):
+        if skip_nonfinite and any_rank(step_nonfinite, t.device):  # the step's one host sync
             t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
             t.global_step += 1
             t.skipped_steps += 1

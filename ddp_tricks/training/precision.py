@@ -1,6 +1,6 @@
 """Mixed precision as one object: autocast for the forward pass, and the backward pass and optimizer step with
 fp16's GradScaler (unscale before clipping, a skipped step reported; sharded: one that agrees across the ranks),
-bf16 (no scaler), or NVIDIA Apex's amp.
+bf16 (no scaler), or NVIDIA Apex's amp. An fp16 step waits on the device once: GradScaler's own check for infs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class Precision:
         self.apex_amp = apex_amp  # apex.amp, already initialised on the model and optimizer (before DDP)
         self.dtype = None if apex_amp is not None else DTYPES[mode]
         self.scaler = None
+        self._steps = StepCounter()
         if mode == "fp16" and apex_amp is None:
             self.scaler = torch.amp.GradScaler(device.type)
             if sharded:  # each rank sees an inf only in its slices: this scaler agrees on it across the ranks
@@ -60,10 +61,12 @@ class Precision:
                 group["lr"] = group["lr"] * lr_factor
         took_step = True
         if self.scaler is not None:
-            scale_before = self.scaler.get_scale()  # GradScaler.step syncs anyway to decide on skipping
+            # GradScaler reads its inf flag (one sync) to decide whether to call optimizer.step(); the counter
+            # learns that decision from the step itself, so the scale is never read back (each read a sync)
+            steps_before = self._steps.count_on(optimizer)
             self.scaler.step(optimizer)
             self.scaler.update()
-            took_step = self.scaler.get_scale() >= scale_before
+            took_step = self._steps.count > steps_before
         else:
             optimizer.step()
         if lr_factor != 1.0:
@@ -78,3 +81,25 @@ class Precision:
     def load_state_dict(self, state: dict | None) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+class StepCounter:
+    """Counts an optimizer's steps with a post-hook (run by every torch.optim.Optimizer's step(), wrappers included),
+    registered once per optimizer: whether a step ran is then known without asking the device."""
+
+    def __init__(self):
+        self.count = 0
+        self._hooked: torch.optim.Optimizer | None = None
+        self._handle = None
+
+    def count_on(self, optimizer: torch.optim.Optimizer) -> int:
+        """Count `optimizer`'s steps from now on (hooked on the first call for it); returns the count so far."""
+        if optimizer is not self._hooked:
+            if self._handle is not None:
+                self._handle.remove()
+            self._handle = optimizer.register_step_post_hook(self)
+            self._hooked = optimizer
+        return self.count
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        self.count += 1

@@ -1,0 +1,192 @@
+"""Host syncs in a training step, counted on the CPU in the real loop (`train_one_epoch`): every call that, on a GPU,
+makes the host wait for the device (a read of a tensor's value, a copy to the host, a tensor made on the device from
+host data). docs/performance.md lists what each option costs per step; these tests pin those numbers.
+"""
+
+import pytest
+import tiny
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ddp_tricks import models
+from ddp_tricks import plan as planning
+from ddp_tricks.data import images as image_data
+from ddp_tricks.schedules.curves import WarmupDecay
+from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.traces import batch_trace
+from ddp_tricks.training.loop import train_one_epoch
+from lamb import LAMB
+from lars import LARS, LARSWrapper
+from lookahead import Lookahead
+
+T = torch.Tensor
+READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy, T.__array__}
+FROM_HOST = {torch.tensor, torch.as_tensor}  # with a device: a blocking copy from pageable host memory there
+STEPS = 4  # the first step (it creates the optimizer's state) is left out of the count
+
+
+class HostSyncs(TorchFunctionMode):
+    """The host syncs of each optimizer step (its `after_step` closes a step): reads of a tensor's value, copies to
+    the host, and tensors made on a device from host data.
+
+    A CPU cannot tell a copy between devices from one within a device, so only `.cpu()` counts as a copy to the host
+    here (test_cuda.py's set_sync_debug_mode test sees every kind on a GPU). A torch function written in Python
+    (F.cross_entropy) is seen as one call: the mode is off inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.now: list[str] = []
+        self.per_step: list[list[str]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in READS or (func in FROM_HOST and "device" in kwargs and not isinstance(args[0], T)):
+            self.now.append(func.__name__)
+        return func(*args, **kwargs)
+
+    def after_step(self, t) -> bool:
+        self.per_step.append(self.now)
+        self.now = []
+        return False
+
+
+def syncs_per_step(t, trace=None, accum_steps=1, nonfinite_at=None, micro_batch=32) -> list[list[str]]:
+    """Train `t` for STEPS steps on the digits with the loop run.py runs; the host syncs of each step after the
+    first. The micro-batches are fetched beforehand (data loading happens on the host: no device to wait for).
+    `nonfinite_at`: the step whose inputs are NaN."""
+    train_set, _ = image_data.digits()
+    the_plan = planning.make(num_train=len(train_set), world_size=1, micro_batch=micro_batch,
+                             accum_steps=accum_steps, epochs=1, seed=0, base_lr=0.05, lr_scaling="keep",
+                             base_batch=32, warmup_epochs=0, trace=trace, trace_end="repeat-last")  # fmt: skip
+    steps = the_plan.epoch(1, 0)[:STEPS]
+    batches = list(tiny.loader_for(train_set, steps))
+    if nonfinite_at is not None:
+        first = sum(len(s.micro_batches) for s in steps[:nonfinite_at])
+        batches[first] = (torch.full_like(batches[first][0], float("nan")), batches[first][1])
+    counter = HostSyncs()
+    with counter:
+        train_one_epoch(t, steps, batches, log_interval=1000, after_step=counter.after_step)
+    assert len(counter.per_step) == STEPS
+    return counter.per_step[1:]
+
+
+def toy(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), amp="off", **options):
+    """The default model (`toy`) and an optimizer in a Training, with a warmup schedule (a skipped step must not
+    advance it)."""
+    torch.manual_seed(0)
+    model = models.build("toy", 1, 10)
+    opt = optimizer(model.parameters())
+    return tiny.training(model, opt, Schedule(WarmupDecay(opt, warmup_steps=100, decay_steps=0)), amp=amp, **options)
+
+
+def overflowing(t):
+    """fp16 gradients overflow at every step: the scaler skips them all (and halves a scale that stays too big)."""
+    t.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    return t
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_a_plain_step_makes_no_host_sync(amp):
+    assert syncs_per_step(toy(amp=amp)) == [[]] * (STEPS - 1)
+
+
+def test_an_fp16_step_makes_only_the_grad_scaler_s_own_sync():
+    t = toy(amp="fp16")
+    assert syncs_per_step(t) == [["item"]] * (STEPS - 1)  # GradScaler.step reads found_inf once
+    assert t.skipped_steps == 0 and t.schedule.per_step.last_epoch == STEPS
+
+
+def test_an_fp16_step_the_scaler_skips_is_counted_and_holds_the_schedule_with_one_sync():
+    t = overflowing(toy(amp="fp16"))
+    before = [p.detach().clone() for p in t.model.parameters() if p.is_floating_point()]
+    assert syncs_per_step(t) == [["item"]] * (STEPS - 1)
+    assert t.skipped_steps == STEPS and t.global_step == STEPS
+    assert t.schedule.per_step.last_epoch == 0  # no step taken: the warmup did not advance
+    assert t.precision.scaler.get_scale() == 2.0 ** (60 - STEPS)
+    assert all(torch.equal(a, b) for a, b in zip(before, (p for p in t.model.parameters() if p.is_floating_point())))
+
+
+OPTIMIZERS = {
+    "LARS": lambda ps: LARS(ps, lr=0.1, weight_decay=1e-4),
+    "LAMB": lambda ps: LAMB(ps, lr=1e-3),
+    "LARSWrapper(SGD)": lambda ps: LARSWrapper(torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    # (torch's Adam keeps its step count on the host: reading it is no sync on a GPU, but would count here)
+    "Lookahead(LARSWrapper(SGD))": lambda ps: Lookahead(LARSWrapper(torch.optim.SGD(ps, lr=0.1, momentum=0.9)), k=2),
+}
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
+def test_every_optimizer_s_fp16_step_makes_one_sync_and_a_skip_is_seen(make):
+    t = toy(make, amp="fp16")
+    assert syncs_per_step(t) == [["item"]] * (STEPS - 1)
+    assert t.skipped_steps == 0 and t.schedule.per_step.last_epoch == STEPS
+    t = overflowing(toy(make, amp="fp16"))
+    assert syncs_per_step(t) == [["item"]] * (STEPS - 1)
+    assert t.skipped_steps == STEPS and t.schedule.per_step.last_epoch == 0
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_on_nonfinite_skip_makes_one_sync_per_step_and_skips_the_bad_one(amp):
+    t = toy(amp=amp, on_nonfinite="skip")
+    assert syncs_per_step(t, nonfinite_at=2) == [["item"]] * (STEPS - 1)
+    assert t.skipped_steps == 1 and t.global_step == STEPS
+    assert t.schedule.per_step.last_epoch == STEPS - 1  # the skipped step did not advance the schedule
+    assert torch.isfinite(t.epoch_sums).all()  # the bad batch was kept out of the epoch's sums
+
+
+def test_clipping_and_accumulation_make_no_host_sync():
+    assert syncs_per_step(toy(clip_grad_norm=1.0), accum_steps=2, micro_batch=16) == [[]] * (STEPS - 1)
+
+
+def test_clipping_an_fp16_step_adds_no_sync_to_the_scaler_s():
+    assert syncs_per_step(toy(amp="fp16", clip_grad_norm=1.0)) == [["item"]] * (STEPS - 1)
+
+
+class Units(tiny.Classify):
+    """A task that counts its own units (a tensor, as a token count would be)."""
+
+    def units(self, inputs, targets):
+        return (targets >= 0).sum()
+
+
+def test_a_task_s_units_make_no_host_sync():
+    t = toy()
+    t.task = Units()
+    assert syncs_per_step(t, accum_steps=2, micro_batch=16) == [[]] * (STEPS - 1)
+
+
+def traced(adascale=None):
+    t = toy()
+    t.reduction = batch_trace.TraceReduction([p for p in t.model.parameters() if p.requires_grad], 16, adascale)
+    return t
+
+
+def test_a_traced_step_makes_no_host_sync_and_adascale_its_documented_one():
+    trace = [32, 16, 48, 32]  # 2, 1, 3 and 2 micro-batches of 16
+    assert syncs_per_step(traced(), trace=trace, micro_batch=16) == [[]] * (STEPS - 1)
+    assert syncs_per_step(traced(batch_trace.AdaScale()), trace=trace, micro_batch=16) == [["tolist"]] * (STEPS - 1)
+
+
+def test_an_idle_rank_s_adascale_step_makes_only_its_one_sync():
+    """A traced step can leave a rank without a micro-batch: its sum of squared norms is then a host 0."""
+    model = nn.Linear(4, 2)
+    reduction = batch_trace.TraceReduction(list(model.parameters()), 8, batch_trace.AdaScale())
+    counter = HostSyncs()
+    with counter:
+        assert reduction.finish(16) == 1.0
+    counter.after_step(None)
+    assert counter.per_step == [["tolist"]]
+
+
+def test_the_counter_sees_each_kind_of_host_sync():
+    """The counter itself: every read it claims to count, and a device tensor made from host data."""
+    counter = HostSyncs()
+    x = torch.ones(2)
+    with counter:
+        x[0].item(), x.tolist(), bool(x[0]), float(x[0]), int(x[0]), x.cpu(), x.numpy()
+        torch.tensor([1.0], device="cpu"), torch.as_tensor(2.0, device="cpu")
+        torch.tensor([1.0]), torch.full((), 1.0, device="cpu"), x.sum(), nn.functional.relu(x)  # none of these
+    counter.after_step(None)
+    assert counter.per_step == [["item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy", "tensor",
+                                 "as_tensor"]]  # fmt: skip
