@@ -1,6 +1,5 @@
 """The task as the loop calls it (task.py's seam): the pre-flight checks of a task (its pieces on a few training
-samples, parameters its loss leaves without a gradient, BatchNorm against one-sample micro-batches), and the
-reported metrics from sums over a whole set.
+samples, BatchNorm against one-sample micro-batches), and the reported metrics from sums over a whole set.
 """
 
 from __future__ import annotations
