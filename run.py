@@ -22,6 +22,7 @@ if __name__ == "__main__":
 
 import logging
 import os
+import traceback
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from customized_function import EarlyStopping, same_seeds, use_deterministic_alg
 from ddp_tricks import models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, fsdp, launch, wrap
+from ddp_tricks.distributed import collectives, fsdp, launch, watchdog, wrap
 from ddp_tricks.distributed.preemption import Preemption
 from ddp_tricks.errors import UserError, report
 from ddp_tricks.optim import build as optimizers
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         process = launch.detect(flags.local_rank)
         return run(flags, task_class(flags), process)
     except NonFiniteLoss as error:  # raised on every rank together
+        watchdog.fail(NONFINITE)
         if process.rank == 0:
             run_dir = Path(flags.run_dir)
             kept = "no checkpoint was written before it"
@@ -63,12 +65,19 @@ def main(argv: list[str] | None = None) -> int:
                 kept = f"{last} keeps the last good weights"
             fix = "Lower --base-lr, add --clip-grad-norm, or pass --on-nonfinite skip"
             report(f"{error}; {kept}. {fix}", run_dir / "train.log")
-        return NONFINITE
+        return watchdog.leave(NONFINITE)
     except UserError as error:
+        first = watchdog.fail(2)  # the other ranks learn it at once: none waits in a collective for this one
         error = cli.blame(error)  # a value from --config FILE: the message names the file and the key
-        if process.rank == 0 or error.rank_specific:  # the same check fails on every rank: say it once
+        if process.rank == 0 or error.rank_specific and first:  # the same check fails on every rank: say it once
             report(str(error) if process.rank == 0 else f"on rank {process.rank}: {error}")
-        return 2
+        return watchdog.leave(2)
+    except BaseException:  # a bug: the first rank that fails shows its traceback, the others end quietly
+        if not watchdog.active():
+            raise
+        if watchdog.fail(1):
+            traceback.print_exc()
+        return watchdog.leave(1)
     finally:
         launch.cleanup()
 
@@ -82,6 +91,9 @@ def run(flags, task, process: launch.Launch) -> int:
     model = task.model()
     collate = getattr(task, "collate", None)  # the task's own batching (padding sequences, say), when it has one
     sum_names = seam.check_task(task, model, train_set, collate)  # also initialises lazy modules
+    reducer = flags.strategy == "ddp" and process.world_size > 1 and not flags.batch_trace  # DDP's, which waits
+    if reducer and not (flags.find_unused_parameters or flags.static_graph):  # for every parameter's gradient
+        seam.check_unused_parameters(task, model, train_set, collate)  # one that gets none: said here, not a hang
     units = fsdp.shard_units(task, model) if flags.strategy == "fsdp" else []  # what is sharded as one
     plan = make_plan(flags, len(train_set), process.world_size)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
@@ -161,6 +173,9 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
             result = loop.train_one_epoch(
                 t, steps, train_loader, first_step, progress, flags.log_interval, checkpoints.after_step
             )
+        except RuntimeError as error:
+            wrap.name_unused_parameters(error, t.model)  # DDP's "expected to have finished reduction": one line
+            raise
         finally:  # an error's line then starts a line of its own
             if progress is not None:
                 progress.close()

@@ -13,8 +13,9 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
     units(self, inputs, targets) optional: how many units that mean is over (real tokens, pixels); default:
                                  the batch's samples. Accumulation, uneven batches and evaluation weigh by them
     collate(self, samples)       optional: a list of dataset items -> one (inputs, targets) batch (padding)
-    shard_units(self, model)     optional, --strategy fsdp: the blocks of the model sharded one by one
-                                 (default: each direct child of the model that holds parameters)
+    shard_units(self, model)     optional, --strategy fsdp: the blocks of the model sharded one by one, a
+                                 list of modules as one unit (default: each direct child of the model that
+                                 holds parameters, children that share a parameter as one unit)
     metric_sums(self, outputs, targets)  optional: {name: SUM over the batch}; sums stay exact across ranks
     metrics(self, sums, count)   optional: {reported name: value} from the sums over a whole set, count = its
                                  units (default: each sum / count, under the sum's name)

@@ -8,7 +8,9 @@ padded to its longest. What it exercises that the image task does not:
 - a model that returns a tuple (the logits and the final hidden states);
 - a per-TOKEN loss: cross-entropy averaged over the real tokens of a batch, and `units()` saying how many those
   are, so accumulation, uneven batches and the evaluation weight every token alike at any world size;
-- perplexity (monitored, lower is better) and token accuracy, both computed exactly from sums.
+- perplexity (monitored, lower is better) and token accuracy, both computed exactly from sums;
+- `--tie-weights`: the output projection shares its weight with the input embedding (GPT-2, BERT, T5 do), one
+  Parameter under two names, also under --strategy fsdp (the two modules sharded as one unit) and after resume.
 
     torchrun --standalone --nproc_per_node=2 run.py --task examples/language_model.py:PythonSourceLM \\
         --optimizer lamb -l 0.01 --wd 0.01 -b 16 -e 10 --warmup-epochs 1 --scheduler cosine
@@ -63,7 +65,9 @@ class CausalTransformer(nn.Module):
     """Token and position embeddings, pre-norm transformer blocks under a causal mask that also hides the
     padding, a final norm and a linear head. Returns (logits, hidden states)."""
 
-    def __init__(self, width: int, depth: int, heads: int, max_length: int, vocabulary: int = PAD + 1):
+    def __init__(
+        self, width: int, depth: int, heads: int, max_length: int, vocabulary: int = PAD + 1, tie: bool = False
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocabulary, width)
         self.position = nn.Embedding(max_length, width)
@@ -71,6 +75,8 @@ class CausalTransformer(nn.Module):
         self.blocks = nn.TransformerEncoder(block, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocabulary, bias=False)
+        if tie:  # one Parameter, read as the embedding's rows and as the projection's
+            self.head.weight = self.embed.weight
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, mask = batch["tokens"], batch["mask"]
@@ -96,6 +102,7 @@ class PythonSourceLM:
         g.add_argument("--width", type=int, default=64, help="the transformer's width")
         g.add_argument("--depth", type=int, default=2, help="transformer blocks")
         g.add_argument("--heads", type=int, default=4, help="attention heads per block")
+        g.add_argument("--tie-weights", action="store_true", help="the output projection is the input embedding")
 
     def __init__(self, args):
         from ddp_tricks import UserError
@@ -127,11 +134,13 @@ class PythonSourceLM:
 
     def model(self):
         a = self.args
-        return CausalTransformer(a.width, a.depth, a.heads, a.max_length)
+        return CausalTransformer(a.width, a.depth, a.heads, a.max_length, tie=a.tie_weights)
 
     def shard_units(self, model):
-        """With --strategy fsdp: each transformer block is sharded on its own (then the rest)."""
-        return list(model.blocks.layers)
+        """With --strategy fsdp: each transformer block is sharded on its own, tied embedding and projection
+        together as one unit (a list: they share their weight), then the rest."""
+        tied = [[model.embed, model.head]] if model.head.weight is model.embed.weight else []
+        return [*model.blocks.layers, *tied]
 
     def loss(self, outputs, targets):
         logits, _ = outputs

@@ -1,8 +1,10 @@
 """`--strategy fsdp`: the model sharded with PyTorch's FSDP2 (`fully_shard`), every rank holding a slice of each
 parameter, its gradient and its optimizer state. The units that gather and free their parameters together are
-the task's (`shard_units(model)`), or by default each direct child of the model that holds parameters; the root
-takes the rest. Mixed precision is FSDP's policy: parameters gathered in the --amp dtype, gradients reduced in
-float32, BatchNorm layers kept in float32 as their own units (their running statistics are float32).
+the task's (`shard_units(model)`), or by default each direct child of the model that holds parameters (children
+that share a parameter, a tied embedding and output projection, as one unit: FSDP2 keeps a parameter in one
+unit); the root takes the rest. Mixed precision is FSDP's policy: parameters gathered in the --amp dtype,
+gradients reduced in float32, BatchNorm layers kept in float32 as their own units (their running statistics are
+float32).
 """
 
 from __future__ import annotations
@@ -12,27 +14,136 @@ from torch import nn
 
 from ddp_tricks.errors import UserError
 
-
-def shard_units(task, model: nn.Module) -> list[nn.Module]:
-    """The modules sharded one by one: the task's `shard_units(model)`, else each direct child with parameters.
-    A unit that is not a submodule of the model is a user error, found before any process group."""
-    if hasattr(task, "shard_units"):
-        units = list(task.shard_units(model))
-        inside = {id(m) for m in model.modules()}
-        for unit in units:
-            if not isinstance(unit, nn.Module) or id(unit) not in inside or unit is model:
-                what = type(unit).__name__ if isinstance(unit, nn.Module) else repr(unit)[:40]
-                raise UserError(
-                    f"the task's shard_units() gave {what}, which is not a submodule of its model: return blocks "
-                    "of the model it is given (e.g. list(model.blocks)), not new modules or the model itself"
-                )
-        return units
-    return [child for child in model.children() if any(True for _ in child.parameters())]
+Unit = nn.Module | list[nn.Module]  # a list: modules gathered and freed together, as one unit
 
 
-def shard(model: nn.Module, units: list[nn.Module], dtype: torch.dtype | None = None) -> nn.Module:
-    """`fully_shard` the units, the deepest first and each once, then the model, on a 1-D mesh over every rank.
-    `dtype`: the --amp dtype parameters are gathered in (None: as they are)."""
+def shard_units(task, model: nn.Module) -> list[Unit]:
+    """The units sharded one by one: the task's `shard_units(model)` (a unit may be a list of modules, sharded
+    together), else each direct child with parameters, where children that share a parameter (a tied embedding
+    and output projection) are one unit. Found before any process group, as one line: a unit that is not a
+    submodule of the model, and units that split a shared parameter between them."""
+    if not hasattr(task, "shard_units"):
+        return default_units(model)
+    units = [list(unit) if isinstance(unit, (list, tuple)) else unit for unit in task.shard_units(model)]
+    inside = {id(m) for m in model.modules()}
+    for unit in (m for u in units for m in (u if isinstance(u, list) else [u])):
+        if not isinstance(unit, nn.Module) or id(unit) not in inside or unit is model:
+            what = type(unit).__name__ if isinstance(unit, nn.Module) else repr(unit)[:40]
+            raise UserError(
+                f"the task's shard_units() gave {what}, which is not a submodule of its model: return blocks "
+                "of the model it is given (e.g. list(model.blocks)), not new modules or the model itself"
+            )
+    split = _split_parameter(model, units)
+    if split is not None:
+        param, holders = split
+        sharing = [name for name, m in model.named_modules() if any(p is param for p in m.parameters(recurse=False))]
+        together = ", ".join(_as_code(name) for name in sharing)
+        names = " = ".join(_parameter_names(model, param))
+        described = [_describe(model, units, i) for i in holders]
+        between = ", ".join(described[:-1]) + f" and {described[-1]}"
+        if len(sharing) == 1:  # one module under two units: sharded on its own first, it belongs to neither
+            raise UserError(
+                f"module {sharing[0]!r} sits under two of the task's shard_units() ({between}): FSDP keeps a "
+                f"parameter in one unit; return {_as_code(sharing[0])} as a unit of its own too (it is then "
+                "sharded before the units that hold it)"
+            )
+        raise UserError(
+            f"modules {' and '.join(map(repr, sharing))} share a parameter ({names}), but the task's shard_units() "
+            f"splits it between {between}: FSDP keeps a shared parameter in one unit; return those modules as one "
+            f"unit, a list [{together}], or leave them all to the model's root (return none of them)"
+        )
+    return units
+
+
+def default_units(model: nn.Module) -> list[Unit]:
+    """Each direct child of the model that holds parameters; children that share a parameter become one unit
+    (FSDP2 takes a list of modules since torch 2.5), and a child that shares one with the model's own
+    parameters is left to the root."""
+    units: list[list[nn.Module]] = [[child] for child in model.children() if any(True for _ in child.parameters())]
+    while (split := _split_parameter(model, units)) is not None:
+        _, holders = split
+        if None in holders:  # shared with what the root holds: the root takes them too
+            units = [u for i, u in enumerate(units) if i not in holders]
+        else:
+            merged = [m for i in holders for m in units[i]]
+            units = [u for i, u in enumerate(units) if i not in holders] + [merged]
+    return [unit[0] if len(unit) == 1 else unit for unit in units]
+
+
+def _members(unit: Unit) -> list[nn.Module]:
+    return unit if isinstance(unit, list) else [unit]
+
+
+def _in_order(units: list[Unit]) -> list[int]:
+    """The units' indices in the order `shard` applies them: the smallest first (one inside another holds fewer
+    modules), each unit once."""
+    seen, order = set(), []
+    for i in sorted(range(len(units)), key=lambda i: sum(sum(1 for _ in m.modules()) for m in _members(units[i]))):
+        key = tuple(id(m) for m in _members(units[i]))
+        if key not in seen:
+            seen.add(key)
+            order.append(i)
+    return order
+
+
+def _split_parameter(model: nn.Module, units: list[Unit]) -> tuple[nn.Parameter, list[int | None]] | None:
+    """A parameter that FSDP2 would put in two units, as (parameter, the units' indices; None for the root), or
+    None. Follows fully_shard's rule: a unit manages the parameters of its modules and of their submodules, except
+    under a module sharded before it; the root, sharded last, manages the rest."""
+    sharded: set[int] = set()
+    holders: dict[int, list[int | None]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i in [*_in_order(units), None]:
+        roots = _members(units[i]) if i is not None else [model]
+        for module in _managed(roots, sharded):
+            for param in module.parameters(recurse=False):
+                params[id(param)] = param
+                owners = holders.setdefault(id(param), [])
+                if i not in owners:
+                    owners.append(i)
+        sharded |= {id(m) for m in roots}
+    return next(((params[key], owners) for key, owners in holders.items() if len(owners) > 1), None)
+
+
+def _managed(roots: list[nn.Module], sharded: set[int]) -> list[nn.Module]:
+    """The modules a unit with these roots manages: every module under them, once, not entering a module that
+    is a unit of its own already."""
+    starts = {id(m) for m in roots}
+    found, seen, stack = [], set(), list(reversed(roots))
+    while stack:
+        module = stack.pop()
+        if id(module) in seen or (id(module) in sharded and id(module) not in starts):
+            continue
+        seen.add(id(module))
+        found.append(module)
+        stack.extend(reversed(list(module.children())))
+    return found
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _as_code(name: str) -> str:
+    """A submodule's name as Python reaches it from the model: 'blocks.0.attn' -> model.blocks[0].attn."""
+    return "model" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split("."))
+
+
+def _parameter_names(model: nn.Module, param: nn.Parameter) -> list[str]:
+    return [repr(name) for name, p in model.named_parameters(remove_duplicate=False) if p is param]
+
+
+def _describe(model: nn.Module, units: list[Unit], index) -> str:
+    if index is None:
+        return "the rest of the model (its root)"
+    names = [repr(_module_name(model, m)) for m in _members(units[index])]
+    return f"the unit {names[0]}" if len(names) == 1 else f"the unit [{', '.join(names)}]"
+
+
+def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None) -> nn.Module:
+    """`fully_shard` the units, the smallest first and each once (a list of modules as one unit), then the
+    model, on a 1-D mesh over every rank. `dtype`: the --amp dtype parameters are gathered in (None: as they
+    are)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -46,10 +157,11 @@ def shard(model: nn.Module, units: list[nn.Module], dtype: torch.dtype | None = 
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and any(True for _ in module.parameters()):
                 fully_shard(module, mesh=mesh, mp_policy=full)
                 done.add(id(module))
-    for unit in sorted(units, key=lambda m: sum(1 for _ in m.modules())):  # one inside another holds fewer: first
-        if id(unit) not in done:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-            done.add(id(unit))
+    for i in _in_order(units):
+        members = [m for m in _members(units[i]) if id(m) not in done]
+        if members:
+            fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=policy)
+            done |= {id(m) for m in members}
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 

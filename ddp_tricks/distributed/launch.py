@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp_tricks.distributed import preemption
+from ddp_tricks.distributed import preemption, watchdog
 from ddp_tricks.errors import UserError
 
 
@@ -97,23 +97,27 @@ def setup(
     # torchrun keeps one store across restarts; without a per-attempt prefix, a restarted rank can read the
     # address that a killed rank of the previous attempt published, and gloo then waits on a dead port.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"ddp_tricks/attempt_{attempt}/", store)
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"ddp_tricks/attempt_{attempt}/", store),
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
     control_group = dist.new_group(backend="gloo")  # its own queue: agreement never waits behind DDP's traffic
+    watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank())  # a failing rank ends the job in seconds
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
 
 
 def cleanup() -> None:
-    """Leave the process group; safe to call on every path, twice, or with no group at all.
+    """Leave the process group at a normal end; safe to call twice, or with no group at all. (A failure with a
+    group leaves by watchdog.leave() instead: peers may be stuck, and a teardown would wait for them.)
 
     An agreement still in flight is settled first: tearing a group down under pending work aborts the process.
     """
     preemption.close_all()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    watchdog.stop()

@@ -1,11 +1,15 @@
 """The model wrapped for data parallelism (SyncBatchNorm on request, then DistributedDataParallel; sharding is
-fsdp.py's), and the one way the loop keeps a backward's gradients local while it accumulates micro-batches."""
+fsdp.py's), the one way the loop keeps a backward's gradients local while it accumulates micro-batches, and DDP's
+error for parameters a step did not use, said in one line."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
+
+from ddp_tricks.errors import UserError
 
 
 def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, **ddp_options) -> torch.nn.Module:
@@ -38,3 +42,35 @@ def _without_gradient_sync(model):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def name_unused_parameters(error: RuntimeError, model: torch.nn.Module) -> None:
+    """DDP's "Expected to have finished reduction in the prior iteration" (a step in which some parameters got no
+    gradient on this rank, without find_unused_parameters) raised as one line naming them and the fix; DDP gives
+    only their indices in its reducer. Any other error: returns, for the caller to raise it as it is."""
+    ddp = getattr(model, "_orig_mod", model)  # under --compile
+    text = str(error)
+    if "Expected to have finished reduction in the prior iteration" not in text or not hasattr(ddp, "module"):
+        return
+    found = re.search(r"did not receive grad for rank (\d+): ([\d ,]+)", text)
+    names = reducer_names(ddp.module)
+    unused = [names[int(i)] for i in re.findall(r"\d+", found.group(2)) if int(i) < len(names)] if found else []
+    shown = ", ".join(repr(n) for n in unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+    raise UserError(
+        f"parameters {shown or 'of the model'} got no gradient in a training step, and DDP without "
+        "--find-unused-parameters waits for every parameter's gradient: pass --find-unused-parameters (a branch "
+        "that some batches skip), or freeze the parameters that never train (requires_grad=False)",
+        rank_specific=True,
+    ) from None
+
+
+def reducer_names(module: torch.nn.Module) -> list[str]:
+    """The names of the parameters DDP's reducer holds, in its order (what its error messages index): module by
+    module, each module's own parameters that require a gradient, a shared one at its first place."""
+    names, seen = [], set()
+    for module_name, child in module.named_modules():
+        for name, param in child.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                names.append(f"{module_name}.{name}" if module_name else name)
+    return names

@@ -114,3 +114,38 @@ def check_batchnorm(model: nn.Module, dataset, collate, smallest_micro_batch: in
             "(training leaves out the samples that do not fill a micro-batch; validation keeps every one) or "
             "choose another --batch-size"
         )
+
+
+def check_unused_parameters(task, model: nn.Module, dataset, collate=None) -> None:
+    """DDP over several processes without --find-unused-parameters waits in every backward for every parameter's
+    gradient: a parameter that gets none leaves the ranks waiting for each other. One forward and backward of the
+    task's loss on the check batch (the four samples of check_task), in training mode as a step runs it (the RNG
+    and BatchNorm statistics put back, no .grad touched): parameters that require a gradient and get none are
+    named in one line with the fix, before any process group. Frozen parameters (requires_grad=False) are fine."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return
+    inputs, targets = batch_of(dataset, list(range(min(4, len(dataset)))), collate)
+    buffers = [b.detach().clone() for b in model.buffers()]
+    training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model.train()
+            loss = task.loss(float_outputs(model(inputs)), targets)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+            else:
+                grads = [None] * len(params)
+    finally:
+        model.train(training)
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers):
+                buffer.copy_(saved)
+    unused = [name for (name, _), grad in zip(params, grads) if grad is None]
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise UserError(
+            f"parameters {shown} get no gradient from the task's loss on {min(4, len(dataset))} training samples, "
+            "and DDP over several processes waits for every parameter's gradient (the run would hang): pass "
+            "--find-unused-parameters if some batches use them, or freeze them (requires_grad=False) if none does"
+        )

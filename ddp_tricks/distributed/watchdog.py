@@ -1,0 +1,181 @@
+"""A failing rank ends the job within seconds, and a SIGTERM ends a rank stuck in a collective.
+
+Without this, a rank that fails while its peers wait in a collective for it (an all-reduce it will never join)
+leaves them waiting for the whole --dist-timeout, and a SIGTERM cannot reach them: Python runs a signal handler
+only between bytecodes, and a main thread inside a gloo or NCCL wait runs none. So:
+
+- A rank that fails says so in the job's store (the TCPStore every rank shares, under this launch attempt's
+  prefix: torchrun keeps one store across restarts), before it prints its error, and then leaves at once without
+  tearing the process group down (a teardown waits for the collectives still in flight). `fail()` answers whether
+  it was the job's first failure: only that one's error is shown.
+- A daemon thread on every rank (`start`) reads that store once a second. When a peer has failed and this
+  process is not already ending by itself within a short grace, it ends the process (`os._exit`) with the
+  failing rank's exit code, quietly. Gloo and NCCL waits release the GIL, so the thread runs while the main
+  thread is stuck.
+- The same thread is woken by SIGTERM (or SIGINT) through `signal.set_wakeup_fd`, which the interpreter writes
+  from its C-level handler even while the main thread is stuck. If the main thread then makes no progress for
+  `SIGNAL_GRACE` seconds (the same frame at the same instruction: one C call that does not return, a collective),
+  the process ends with 143 (130 for SIGINT). A SIGTERM between steps finds the main thread moving: preemption
+  then agrees on a step and writes the checkpoint exactly as before.
+
+Costs nothing per step: no host sync, no collective; the thread wakes twice a second (a store lookup every other
+time) and reads the main thread's frame only after a signal.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+POLL = 0.5  # seconds between the thread's looks at the signal socket
+STORE_EVERY = 2  # looks per store lookup: the store is asked once a second
+PEER_GRACE = 2.0  # seconds a rank that sees a peer's failure leaves its main thread to end by itself
+SIGNAL_GRACE = 10.0  # seconds without progress after SIGTERM before a stuck process is ended
+COUNT, CODE = "failures", "first_failure_code"  # keys in the job's store, under the attempt's prefix
+
+_ending = False  # this process is leaving on its own (its main thread is in its failure path)
+_watch: _Watch | None = None
+
+
+class _Watch:
+    def __init__(self, store, rank: int):
+        self.store = store
+        self.rank = rank
+        self.stopped = threading.Event()
+        self.reader, self.writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self.writer.setblocking(False)
+        self.previous_fd = None
+        try:
+            self.previous_fd = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: no signal watch, the store watch still runs
+            pass
+        self.main = threading.main_thread().ident
+        self.thread = threading.Thread(target=self._run, name="ddp_tricks-watchdog", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stopped.set()
+        if self.previous_fd is not None:
+            signal.set_wakeup_fd(self.previous_fd)
+        self.thread.join(timeout=2 * POLL + 1)
+        self.reader.close()
+        self.writer.close()
+
+    def _run(self) -> None:
+        looks, signalled, position, seen_failure = 0, None, None, None
+        while not self.stopped.is_set():
+            signals = self._signals()
+            if self.stopped.is_set():
+                return
+            now = time.monotonic()
+            if {signal.SIGTERM, signal.SIGINT} & signals and not _ending:
+                signalled, position = (now, signals), _position(self.main)
+            elif signalled is not None:
+                if _position(self.main) != position:
+                    signalled = None  # the main thread moves: its own handler and the loop take it from here
+                elif now - signalled[0] >= SIGNAL_GRACE and not _ending:
+                    _exit(130 if signal.SIGINT in signalled[1] else 143)
+            looks += 1
+            if self.store is not None and looks % STORE_EVERY == 0:
+                try:
+                    failed = self.store.check([CODE])
+                except Exception:  # the store is gone (the job is ending): nothing more to learn from it
+                    self.store = None
+                    continue
+                if failed and seen_failure is None:
+                    seen_failure = now
+                if seen_failure is not None and now - seen_failure >= PEER_GRACE and not _ending:
+                    try:
+                        code = int(self.store.get(CODE))
+                    except Exception:
+                        code = 1
+                    _exit(code)
+
+    def _signals(self) -> set[int]:
+        """The signals that arrived since the last look (waits up to POLL seconds for one)."""
+        ready, _, _ = select.select([self.reader], [], [], POLL)
+        if not ready:
+            return set()
+        try:
+            return set(self.reader.recv(512))
+        except (BlockingIOError, OSError):
+            return set()
+
+
+def _position(thread_id: int | None):
+    """Where a thread is: its innermost frame and instruction (unchanged while it is inside one C call)."""
+    frame = sys._current_frames().get(thread_id)
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
+def _exit(code: int) -> None:
+    os._exit(code)  # no teardown, no atexit: a teardown would wait for the collectives in flight
+
+
+def start(store, rank: int) -> None:
+    """Watch this rank: the job's store (`store`, this attempt's prefix) for a peer's failure, and SIGTERM for a
+    stuck main thread. Call from the main thread once the process group exists."""
+    global _watch, _ending
+    stop()
+    _ending = False
+    _watch = _Watch(store, rank)
+
+
+def stop() -> None:
+    """Stop watching (a normal end); safe to call with no watch."""
+    global _watch
+    if _watch is not None:
+        _watch.close()
+        _watch = None
+
+
+def active() -> bool:
+    """A watch runs: a failure of this process must leave with `leave()`, not by tearing the group down."""
+    return _watch is not None
+
+
+def fail(code: int) -> bool:
+    """This process fails with exit code `code`: tell every rank (they then end within seconds). True when it is
+    the job's first failure (or runs unwatched): then its error is the one to show."""
+    global _ending
+    _ending = True
+    watch = _watch
+    if watch is None or watch.store is None:
+        return True
+    try:
+        first = watch.store.add(COUNT, 1) == 1
+        if first:
+            watch.store.set(CODE, str(code))
+        return first
+    except Exception:  # no store to tell: say it here
+        return True
+
+
+def leave(code: int) -> int:
+    """After `fail()`: end this process now with the job's exit code (the first failure's), without a teardown.
+    Unwatched (one process, no group), the code is returned for the caller to exit with."""
+    watch = _watch
+    if watch is None:
+        return code
+    if watch.store is not None:
+        try:
+            watch.store.wait([CODE], timedelta(seconds=5))
+            code = int(watch.store.get(CODE))
+        except Exception:
+            pass
+    if watch.rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        time.sleep(STORE_EVERY * POLL + PEER_GRACE)  # rank 0 then hosts the store: the others must read it first
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be said there
+            pass
+    _exit(code)
+    return code

@@ -1,0 +1,90 @@
+"""Task files as a user writes them (see task.py), for the tests of what happens across ranks: a model with a branch
+that some batches skip, a head no step uses, a rank that fails in its fifth step, a rank that stops answering.
+Each is the built-in digits task with one change.
+
+    torchrun --standalone --nproc_per_node=2 run.py --task tests/rank_tasks.py:SometimesAux -b 8
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from task import Task
+
+BRIGHT = 0.1  # a digit image whose mean pixel is above this (about one in ten) is "bright"
+
+
+class WithAuxHead(nn.Module):
+    """The task's classifier plus an auxiliary linear head on the raw pixels, added to the logits. `always`: the
+    head runs on every batch; else only on batches that hold a bright image (a data-dependent branch); None:
+    never (a head left in the model by mistake)."""
+
+    def __init__(self, body: nn.Module, pixels: int, classes: int, always: bool | None):
+        super().__init__()
+        self.body = body
+        self.aux = nn.Linear(pixels, classes)
+        self.always = always
+
+    def forward(self, x):
+        logits = self.body(x)
+        if self.always is None:
+            return logits
+        if self.always or bool((x.flatten(1).mean(1) > BRIGHT).any()):
+            logits = logits + self.aux(x.flatten(1))
+        return logits
+
+
+class SometimesAux(Task):
+    """The auxiliary head runs only on batches that hold a bright image: some steps skip it on one rank."""
+
+    def model(self):
+        return WithAuxHead(super().model(), 64, self.num_classes, always=False)
+
+
+class NeverUsedHead(Task):
+    """An auxiliary head that no step uses."""
+
+    def model(self):
+        return WithAuxHead(super().model(), 64, self.num_classes, always=None)
+
+
+class FrozenBackbone(Task):
+    """The classifier frozen (requires_grad=False), only the auxiliary head trains."""
+
+    def model(self):
+        model = WithAuxHead(super().model(), 64, self.num_classes, always=True)
+        model.body.requires_grad_(False)
+        return model
+
+
+class FailsOnRank1(Task):
+    """Rank 1 raises in its fifth training step; rank 0 is then waiting for its gradients."""
+
+    steps = 0
+
+    def loss(self, outputs, targets):
+        if torch.is_grad_enabled() and dist.is_initialized():
+            self.steps += 1
+            if self.steps == 5 and dist.get_rank() == 1:
+                raise RuntimeError("rank 1 breaks in its fifth step")
+        return super().loss(outputs, targets)
+
+
+class StuckOnRank1(Task):
+    """Rank 1 stops answering in its fifth training step (it sleeps, as a process waiting on a dead file system
+    would), after touching the file $STUCK_FILE; rank 0 then waits in a collective for it."""
+
+    steps = 0
+
+    def loss(self, outputs, targets):
+        if torch.is_grad_enabled() and dist.is_initialized():
+            self.steps += 1
+            if self.steps == 5 and dist.get_rank() == 1:
+                open(os.environ["STUCK_FILE"], "w").close()
+                time.sleep(3600)
+        return super().loss(outputs, targets)
