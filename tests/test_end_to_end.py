@@ -15,12 +15,26 @@ def _metrics(run_dir, name="metrics.csv"):
         return list(csv.DictReader(f))
 
 
+@pytest.fixture(scope="module")
+def twice(tmp_path_factory):
+    """The same torchrun command, run twice (runs a and b): what both tests below look at."""
+    runs = tmp_path_factory.mktemp("twice")
+    results = {}
+    for name in ("a", "b"):
+        results[name] = torchrun(
+            ["--epochs", "2", "-n", name, "--runs-dir", str(runs), "--no-progress", "--deterministic"]
+        )
+        assert results[name].returncode == 0, results[name].stderr[-3000:]
+    return runs, results
+
+
+@pytest.mark.xdist_group("e2e-twice")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_torchrun_two_ranks_writes_a_complete_run_folder(tmp_path):
-    result = torchrun(["--epochs", "2", "-n", "e2e", "--runs-dir", str(tmp_path), "--no-progress"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "e2e"
+@pytest.mark.timeout(600)
+def test_torchrun_two_ranks_writes_a_complete_run_folder(twice):
+    runs, results = twice
+    result = results["a"]
+    run_dir = runs / "a"
     for name in ("config.json", "metrics.csv", "train.log", "curves.png", "last.pt", "best.pt"):
         assert (run_dir / name).stat().st_size > 0, name
     rows = _metrics(run_dir)
@@ -50,14 +64,12 @@ def test_torchrun_two_ranks_writes_a_complete_run_folder(tmp_path):
     assert "epoch 2:" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.xdist_group("e2e-twice")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_same_command_twice_gives_identical_metrics(tmp_path):
-    for name in ("a", "b"):
-        result = torchrun(
-            ["--epochs", "2", "-n", name, "--runs-dir", str(tmp_path), "--no-progress", "--deterministic"]
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+@pytest.mark.timeout(600)
+def test_same_command_twice_gives_identical_metrics(twice):
+    tmp_path, results = twice
+    for result in results.values():
         assert "--deterministic: an op without a deterministic kernel warns once" in result.stdout  # said at start
     a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     strip = (

@@ -4,6 +4,7 @@ all-reduce per step for all the norms, and sharded checkpoints resume exactly, a
 survive a kill mid-write."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import REPO, preempted, run_ranks, torchrun
+from multiproc import REPO, preempted, python_run, run_ranks, torchrun
 from torch import nn
 
 import run
@@ -181,6 +182,16 @@ FLAGS = ["--strategy", "fsdp", "--no-progress", "--optimizer", "lamb", "-l", "0.
          "--log-interval", "5"]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """One 2-epoch --strategy fsdp run under torchrun, shared by the tests below that need a finished sharded run
+    (they copy it before changing anything)."""
+    runs = tmp_path_factory.mktemp("sharded")
+    full = torchrun([*FLAGS, "--runs-dir", str(runs), "-n", "full", "-e", "2"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    return runs / "full"
+
+
 def _rows(run_dir):
     lines = (run_dir / "metrics.csv").read_text().splitlines()
     header = lines[0].split(",")
@@ -188,19 +199,18 @@ def _rows(run_dir):
     return [[row.split(",")[i] for i in keep] for row in lines]
 
 
+@pytest.mark.xdist_group("fsdp-sharded-run")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigterm_and_resume_under_fsdp_are_bit_identical(tmp_path):
-    full = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "full", "-e", "2"])
-    assert full.returncode == 0, full.stderr[-3000:]
+def test_sigterm_and_resume_under_fsdp_are_bit_identical(sharded_run, tmp_path):
     argv = [*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--checkpoint-every-steps", "10"]
     out, err = preempted(argv, tmp_path / "pre" / "last.dcp")
     assert "preempted" in out, (out + err)[-3000:]
     resumed = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _rows(tmp_path / "pre") == _rows(tmp_path / "full")
+    assert _rows(tmp_path / "pre") == _rows(sharded_run)
     a = torch.load(tmp_path / "pre" / "best.pt", weights_only=True)["model"]
-    b = torch.load(tmp_path / "full" / "best.pt", weights_only=True)["model"]
+    b = torch.load(sharded_run / "best.pt", weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # best.pt is a plain state dict of the whole model: it loads into the unwrapped model outside the template
     from ddp_tricks.models import build
@@ -243,14 +253,13 @@ def _whole(path):
     return export.full_state(path)
 
 
+@pytest.mark.xdist_group("fsdp-sharded-run")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_sharded_checkpoint_resumes_2_to_3_and_3_to_1_with_the_same_full_state(tmp_path):
-    trained = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "r", "-e", "1"])
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    saved = _whole(tmp_path / "r" / "last.dcp")
-    assert saved["optimizer"] and len(saved["model"]) == len(torch.load(tmp_path / "r" / "best.pt")["model"])
-    run_ranks(_reshard, 3, tmp_path / "r" / "last.dcp", tmp_path / "three", timeout=240)
+def test_a_sharded_checkpoint_resumes_2_to_3_and_3_to_1_with_the_same_full_state(sharded_run, tmp_path):
+    saved = _whole(sharded_run / "last.dcp")
+    assert saved["optimizer"] and len(saved["model"]) == len(torch.load(sharded_run / "best.pt")["model"])
+    run_ranks(_reshard, 3, sharded_run / "last.dcp", tmp_path / "three", timeout=240)
     run_ranks(_reshard, 1, tmp_path / "three" / "last.dcp", tmp_path / "one", timeout=240)
     for name in ("three", "one"):
         again = _whole(tmp_path / name / "last.dcp")
@@ -298,12 +307,13 @@ def test_a_kill_during_a_sharded_checkpoint_write_leaves_the_previous_one_loadab
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
+@pytest.mark.xdist_group("fsdp-sharded-run")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_checkpoint_of_the_other_strategy_or_with_a_missing_shard_is_one_line(tmp_path, capsys):
-    ddp = torchrun(["--no-progress", "--runs-dir", str(tmp_path), "-n", "d", "-e", "1"])
-    fs = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "f", "-e", "1"])
-    assert ddp.returncode == 0 and fs.returncode == 0, ddp.stderr[-2000:] + fs.stderr[-2000:]
+def test_a_checkpoint_of_the_other_strategy_or_with_a_missing_shard_is_one_line(sharded_run, tmp_path, capsys):
+    ddp = python_run(["--no-progress", "--runs-dir", str(tmp_path), "-n", "d", "-e", "1"])  # --strategy ddp's last.pt
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    shutil.copytree(sharded_run, tmp_path / "f", symlinks=True)  # last.dcp is a relative link: it follows the copy
     shards = sorted((tmp_path / "f" / "last.dcp").resolve().glob("*.distcp"))
     cases = [
         ([*FLAGS, "-n", "d", "--resume", "auto"], "was written by --strategy ddp: resume that run with the strategy"),
@@ -313,11 +323,11 @@ def test_a_checkpoint_of_the_other_strategy_or_with_a_missing_shard_is_one_line(
         ([*FLAGS, "-n", "x", "--resume", str(tmp_path / "f" / "best.pt")], "holds the model's weights only"),
     ]  # fmt: skip
     for argv, message in cases:  # found before any process group: one process says it as every rank would
-        assert run.main([*argv, "--runs-dir", str(tmp_path), "-e", "2"]) == 2
+        assert run.main([*argv, "--runs-dir", str(tmp_path), "-e", "3"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
     shards[1].unlink()
-    missing = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "f", "-e", "2", "--resume", "auto"])
+    missing = torchrun([*FLAGS, "--runs-dir", str(tmp_path), "-n", "f", "-e", "3", "--resume", "auto"])
     errors = [line for line in missing.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and f"misses 1 of its shard files ({shards[1].name})" in errors[0], errors
     assert shards[0].exists() and "exitcode  : 2" in missing.stderr

@@ -52,6 +52,7 @@ def _wait_for(predicate, timeout=120):
     raise AssertionError("timed out waiting")
 
 
+@pytest.mark.xdist_group("resume-uninterrupted")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_resume_after_an_epoch_is_bit_identical(uninterrupted, tmp_path):
@@ -81,6 +82,7 @@ def _pids(run_dir):
     return json.loads((run_dir / "workers.json").read_text())["pids"]
 
 
+@pytest.mark.xdist_group("resume-uninterrupted")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_path):
@@ -99,6 +101,7 @@ def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_
     assert_same_run(uninterrupted, run_dir)
 
 
+@pytest.mark.xdist_group("resume-uninterrupted")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_mid_epoch_checkpoint_resume_skips_exactly_the_consumed_batches(uninterrupted, tmp_path):
@@ -116,6 +119,7 @@ def test_mid_epoch_checkpoint_resume_skips_exactly_the_consumed_batches(uninterr
     assert_same_run(uninterrupted, run_dir)
 
 
+@pytest.mark.xdist_group("resume-uninterrupted")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_torchrun_restarts_after_kill_9_and_finishes_like_the_uninterrupted_run(uninterrupted, tmp_path):
