@@ -77,12 +77,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="epochs timed for each loop (median)")
     parser.add_argument("--copies", type=int, default=4, help="the digits training set repeated, for longer epochs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's, one per core)")
     parser.add_argument("--data", choices=("digits", "imagenet"), default="digits",
                         help="imagenet: synthetic 3x224x224 images in memory, 1000 classes")  # fmt: skip
     parser.add_argument("--samples", type=int, default=2048, help="--data imagenet: images per epoch")
     parser.add_argument("--channels-last", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.data == "digits":
         digits, _ = image_data.digits()
@@ -124,23 +127,32 @@ def main() -> None:
 
     timings = {"template": [], "bare": [], "data": [], "resident": []}
     cpu_times = {"template": [], "bare": [], "data": [], "resident": []}
+    main_thread = {"template": [], "bare": [], "data": [], "resident": []}
     order = [("template", template), ("bare", bare), ("data", data_only), ("resident", resident)]
     for run in range(args.repeats + 1):  # the first round warms up; the order alternates so neither loop gains
         for name, fn in order if run % 2 else order[::-1]:
             steps[:] = the_plan.epoch(run, 0)  # DistributedSampler's order for this epoch, as run.py draws it
             loader.batch_sampler.start(steps)
             sync(device)
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
             fn()
             sync(device)
             if run:
                 timings[name].append(time.perf_counter() - start)
                 cpu_times[name].append(time.process_time() - cpu)
+                main_thread[name].append(time.thread_time() - own)
     samples = len(train_set)
     template_s, bare_s, data_s, resident_s = (statistics.median(timings[k]) for k in timings)
-    # each round times both loops back to back: the median of the rounds' ratios cancels the machine's drift
-    ratio = statistics.median(t / b for t, b in zip(timings["template"], timings["bare"]))
-    cpu_ratio = statistics.median(t / b for t, b in zip(cpu_times["template"], cpu_times["bare"]))  # CPU time
+    # Each round times both loops back to back, so a round's ratio sees the same machine: the median of the rounds'
+    # ratios (with its quartiles) is the statistic to trust on a shared machine. The ratio of the two medians mixes
+    # rounds that saw different loads; where the two disagree by more than the quartiles' spread, the machine was
+    # too busy for this measurement.
+    ratios = sorted(t / b for t, b in zip(timings["template"], timings["bare"]))
+    ratio, (low, _, high) = statistics.median(ratios), statistics.quantiles(ratios, n=4)
+    ratio_of_medians = template_s / bare_s
+    cpu_ratio = statistics.median(t / b for t, b in zip(cpu_times["template"], cpu_times["bare"]))  # all threads
+    # the main thread's own CPU time: the template's extra work, without the intra-op threads' waiting and spinning
+    main_ratio = statistics.median(t / b for t, b in zip(main_thread["template"], main_thread["bare"]))
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, model {args.model}, "
           f"batch {args.batch_size}, amp {args.amp}, optimizer {args.optimizer}, {samples} samples per epoch, "
           f"median of {args.repeats} epochs")  # fmt: skip
@@ -148,13 +160,18 @@ def main() -> None:
     print(f"  template loop  {samples / template_s:9.0f} samples/s  ({template_s:.3f} s/epoch)")
     print(f"  data path only {samples / data_s:9.0f} samples/s  ({data_s:.3f} s/epoch)")
     print(f"  resident batch {samples / resident_s:9.0f} samples/s  ({resident_s:.3f} s/epoch: the model's ceiling)")
-    print(f"  template / bare time per step: {ratio:.3f} (median over rounds; CPU time {cpu_ratio:.3f}); bare "
-          f"throughput / resident ceiling: {resident_s / bare_s:.3f}")  # fmt: skip
+    print(f"  template / bare time per step: {ratio:.3f} (median of the rounds' ratios; quartiles {low:.3f}-"
+          f"{high:.3f}; ratio of the medians {ratio_of_medians:.3f}); CPU time {cpu_ratio:.3f} (all threads), "
+          f"{main_ratio:.3f} (main thread)")  # fmt: skip
+    print(f"  bare throughput / resident ceiling: {resident_s / bare_s:.3f}")
     print(
         json.dumps(
             {
                 "template_vs_bare": round(ratio, 3),
+                "template_vs_bare_quartiles": [round(low, 3), round(high, 3)],
+                "template_vs_bare_ratio_of_medians": round(ratio_of_medians, 3),
                 "template_vs_bare_cpu": round(cpu_ratio, 3),
+                "template_vs_bare_main_thread_cpu": round(main_ratio, 3),
                 "template_samples_per_s": round(samples / template_s),
                 "bare_samples_per_s": round(samples / bare_s),
                 "data_epoch_seconds": round(data_s, 4),
