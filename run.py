@@ -86,8 +86,7 @@ def run(flags, task, process: launch.Launch) -> int:
     plan = make_plan(flags, len(train_set), process.world_size)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
     global_loss = seam.check_global_loss(task, model, train_set, collate, traced=plan.traced)  # gathers from ranks
-    apex = flags.amp_backend == "apex"
-    accumulation = cached.choose(task, flags.accum_steps, plan.traced, flags.strategy, apex)  # None: plain
+    accumulation = cached.choose(task, flags.accum_steps, plan.traced, flags.amp_backend == "apex")  # None: plain
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
     if state is not None:

@@ -101,7 +101,7 @@ class SimCLRNet(nn.Module):
         if self.training:
             self.trained_forwards += 1
         views = torch.cat([x[:, 1], x[:, 2]])  # both views in one batch: BatchNorm sees 2n samples, as in SimCLR
-        z = self.head(self.encoder(views)).unflatten(0, (2, n)).transpose(0, 1)
+        z = self.head(self.encoder(views)).unflatten(0, (2, n)).transpose(0, 1).contiguous()
         return {"z": z} if self.training else {"z": z, "h": self.encoder(x[:, 0])}
 
 

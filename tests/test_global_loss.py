@@ -16,7 +16,7 @@ from torch import nn
 from ddp_tricks import UserError, cli, gather_with_grad, rank, world_size
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, wrap
+from ddp_tricks.distributed import collectives, fsdp, wrap
 from ddp_tricks.distributed.launch import Dist
 from ddp_tricks.optim import build as optimizers
 from ddp_tricks.training import cached, loop, seam
@@ -70,18 +70,14 @@ def _global_loss_gradient(rank_, world, form):
     return module.weight.grad.clone(), module.bias.grad.clone()
 
 
-def _both_forms(rank_, world):
-    return [_global_loss_gradient(rank_, world, form) for form in ("identical", "share")]
-
-
 @pytest.mark.slow
-def test_a_gathered_loss_on_two_ranks_gets_one_process_gradient():
+def test_a_gathered_loss_on_two_ranks_gets_one_process_gradient(two_ranks):
     """No scaling by the world size: the gather's backward sums over the ranks and DDP averages, so 2 ranks give
     exactly what one process gets from the whole batch, whether every rank computes the whole loss or its share."""
-    one = _both_forms(0, 1)
-    for got in run_ranks(_both_forms, 2, timeout=120):
-        for form, expected in zip(got, one):
-            for a, b in zip(form, expected):
+    for form in ("identical", "share"):
+        one = _global_loss_gradient(0, 1, form)
+        for got in two_ranks:
+            for a, b in zip(got["gradient " + form], one):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -95,8 +91,8 @@ def _uneven_gather(rank_, world):
 
 
 @pytest.mark.slow
-def test_uneven_rows_gather_in_rank_order_and_send_each_rank_its_rows_gradient():
-    (z0, offset0, grad0), (z1, offset1, grad1) = run_ranks(_uneven_gather, 2, timeout=120)
+def test_uneven_rows_gather_in_rank_order_and_send_each_rank_its_rows_gradient(two_ranks):
+    (z0, offset0, grad0), (z1, offset1, grad1) = (got["uneven gather"] for got in two_ranks)
     assert torch.equal(z0, torch.tensor([[1.0, 1], [1, 1], [1, 1], [2, 2]])) and torch.equal(z0, z1)
     assert (offset0, offset1) == (0, 3)
     # both ranks' losses read every row: each row's gradient is its weight summed over the 2 ranks
@@ -106,14 +102,14 @@ def test_uneven_rows_gather_in_rank_order_and_send_each_rank_its_rows_gradient()
 # -- cached accumulation in one process ------------------------------------------------------------------------------
 
 
-def _steps_of(model_fn, accumulation, accum_steps, micro_batch=8, steps=3):
+def _steps_of(model_fn, accumulation, accum_steps, micro_batch=8, steps=3, amp="off"):
     """`steps` SGD steps of the digits' cross-entropy on a model with BatchNorm and dropout, accumulating
     `accum_steps` micro-batches; (weights, BatchNorm buffers, the next random draw)."""
     from ddp_tricks.data import images
 
     train, _ = images.digits()
     model = model_fn()
-    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), amp=amp)
     t.accumulation = accumulation
     the_plan = planning.make(num_train=micro_batch * accum_steps * steps, world_size=1, micro_batch=micro_batch,
                              accum_steps=accum_steps, epochs=1, seed=0, base_lr=0.1, lr_scaling="keep", base_batch=1,
@@ -131,29 +127,38 @@ def _dropout_bn_model():
     )
 
 
-def test_cached_accumulation_of_a_per_sample_loss_is_plain_accumulation_with_dropout_and_batchnorm():
+@pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
+def test_cached_accumulation_of_a_per_sample_loss_is_plain_accumulation_with_dropout_and_batchnorm(amp):
     """A per-sample loss gives the same gradient either way, so cached equals plain exactly when the second forward
     draws the first one's dropout masks (the random state restored) and BatchNorm's statistics move once per
-    micro-batch (the first forward's update put back)."""
-    plain, plain_next = _steps_of(_dropout_bn_model, None, accum_steps=3)
-    cached_, cached_next = _steps_of(_dropout_bn_model, cached.cached_accumulation, accum_steps=3)
+    micro-batch (the first forward's update put back); under autocast too (fp16: the cached gradient scaled)."""
+    plain, plain_next = _steps_of(_dropout_bn_model, None, accum_steps=3, amp=amp)
+    cached_, cached_next = _steps_of(_dropout_bn_model, cached.cached_accumulation, accum_steps=3, amp=amp)
     for name, value in plain.items():
         torch.testing.assert_close(cached_[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert plain["1.num_batches_tracked"] == 9  # 3 steps x 3 micro-batches, once each
     assert torch.equal(plain_next, cached_next)  # the random stream goes on where plain accumulation leaves it
 
 
+@pytest.mark.parametrize("amp", ["off", "fp16"])
+def test_a_cached_step_adds_no_host_sync(amp):
+    from test_host_syncs import syncs_per_step, toy
+
+    expected = [] if amp == "off" else ["item"]  # fp16: GradScaler's own read, as in every fp16 step
+    t = toy(amp=amp, accumulation=cached.cached_accumulation)
+    assert syncs_per_step(t, accum_steps=2, micro_batch=16) == [expected] * 3
+
+
 def test_cached_accumulation_is_chosen_once_and_refuses_what_it_cannot_do():
     class Wants:
         cached_accumulation = True
 
-    assert cached.choose(Wants(), 4, False, "ddp", False) is cached.cached_accumulation
-    assert cached.choose(Wants(), 1, False, "ddp", False) is None  # one micro-batch: the plain step, no 2nd forward
-    assert cached.choose(object(), 4, False, "ddp", False) is None  # a task that does not ask
-    for traced, strategy, apex, said in [(True, "ddp", False, "--batch-trace"), (False, "fsdp", False, "fsdp"),
-                                         (False, "ddp", True, "apex")]:  # fmt: skip
+    assert cached.choose(Wants(), 4, False, False) is cached.cached_accumulation
+    assert cached.choose(Wants(), 1, False, False) is None  # one micro-batch: the plain step, no second forward
+    assert cached.choose(object(), 4, False, False) is None  # a task that does not ask
+    for traced, apex, said in [(True, False, "--batch-trace"), (False, True, "apex")]:
         with pytest.raises(UserError, match=said) as error:
-            cached.choose(Wants(), 2, traced, strategy, apex)
+            cached.choose(Wants(), 2, traced, apex)
         assert "\n" not in str(error.value)
 
 
@@ -200,14 +205,18 @@ def test_a_gathering_loss_that_cannot_take_an_empty_batch_is_one_line():
 STEPS, GLOBAL_BATCH, LR = 10, 32, 0.5
 
 
-def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation):
-    """STEPS LARS steps of the SimCLR example (fixed views, no BatchNorm) at global batch GLOBAL_BATCH; its weights."""
+def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation, sharded=False):
+    """STEPS LARS steps of the SimCLR example (fixed views, no BatchNorm) at global batch GLOBAL_BATCH, under DDP or
+    (`sharded`) FSDP2; its full weights and training loss."""
     args, task = example("--views", "fixed", "--encoder-norm", "none")
     train, _ = task.datasets()
     train = loaders.InMemoryDataset(train.inputs[: STEPS * GLOBAL_BATCH], train.targets[: STEPS * GLOBAL_BATCH])
     torch.manual_seed(0)
     model = task.model()
-    model = wrap.wrap(model, Dist(rank_, world, rank_, tiny.CPU, "gloo" if world > 1 else None))
+    if sharded:
+        model = fsdp.shard(model, fsdp.shard_units(task, model))
+    else:
+        model = wrap.wrap(model, Dist(rank_, world, rank_, tiny.CPU, "gloo" if world > 1 else None))
     optimizer = optimizers.build(model, "lars", lr=LR, weight_decay=1e-4, bn_bias_separately=True)
     the_plan = planning.make(num_train=len(train), world_size=world, micro_batch=micro_batch, accum_steps=accum_steps,
                              epochs=1, seed=0, base_lr=LR, lr_scaling="keep", base_batch=1, warmup_epochs=0,
@@ -217,15 +226,20 @@ def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation):
     t = tiny.training(model, optimizer, rank=rank_, world_size=world, accumulation=accumulation, global_loss=True)
     t.task, t.sum_names = task, ["top1", "probe"]
     result = loop.train_one_epoch(t, steps, tiny.loader_for(train, steps, rank_))
-    weights = {k: v.clone() for k, v in t.raw_model.state_dict().items()}
+    weights = {k: (v.full_tensor() if sharded else v).clone() for k, v in t.raw_model.state_dict().items()}
     return weights, result["train_loss"]
 
 
 def _two_rank_runs(rank_, world):
+    """Everything this file checks on 2 ranks, in one launch."""
     return {
+        "gradient identical": _global_loss_gradient(rank_, world, "identical"),
+        "gradient share": _global_loss_gradient(rank_, world, "share"),
+        "uneven gather": _uneven_gather(rank_, world),
         "ddp": _simclr_training(rank_, world, GLOBAL_BATCH // 2, 1, None),
         "cached": _simclr_training(rank_, world, GLOBAL_BATCH // 4, 2, cached.cached_accumulation),
         "plain": _simclr_training(rank_, world, GLOBAL_BATCH // 4, 2, None),
+        "fsdp cached": _simclr_training(rank_, world, GLOBAL_BATCH // 4, 2, cached.cached_accumulation, sharded=True),
         "eval": _uneven_evaluation(rank_, world, 60),
     }
 
@@ -253,27 +267,41 @@ def _uneven_evaluation(rank_, world, val_batch):
     return loop.evaluate(t, loader)
 
 
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One launch of 2 gloo ranks for every multi-rank check here: each rank's results."""
+    return run_ranks(_two_rank_runs, 2, timeout=300)
+
+
 @pytest.mark.slow
-def test_simclr_over_the_global_batch_two_ranks_equal_one_process_cached_accumulation_and_uneven_evaluation():
-    """One launch of 2 gloo ranks, four checks against one process at the same global batch."""
-    ranks = run_ranks(_two_rank_runs, 2, timeout=300)
+def test_simclr_with_global_negatives_on_two_ranks_equals_one_process_after_10_lars_steps(two_ranks):
     one_weights, one_loss = _simclr_training(0, 1, GLOBAL_BATCH, 1, None)
     torch.manual_seed(0)
     initial = example("--encoder-norm", "none")[1].model().state_dict()
     assert _largest_difference(one_weights, initial) > 1e-2  # 10 steps moved the weights: the equalities mean something
-    for got in ranks:
-        # negatives from every rank: 2 ranks x 16 equal 1 process x 32 after 10 LARS steps
+    for got in two_ranks:  # 2 ranks x 16 equal 1 process x 32
         assert _largest_difference(got["ddp"][0], one_weights) <= 1e-5
         assert got["ddp"][1] == pytest.approx(one_loss, rel=1e-6)
-        # cached accumulation: 2 ranks x 2 micro-batches of 8 equal the un-accumulated global batch
+
+
+@pytest.mark.slow
+def test_cached_accumulation_equals_the_unaccumulated_global_batch_under_ddp_and_fsdp(two_ranks):
+    for got in two_ranks:  # 2 ranks x 2 micro-batches of 8 against 2 ranks x 16
         assert _largest_difference(got["cached"][0], got["ddp"][0]) <= 1e-5
         assert got["cached"][1] == pytest.approx(got["ddp"][1], rel=1e-6)
+        assert _largest_difference(got["fsdp cached"][0], got["ddp"][0]) <= 1e-5
         # plain accumulation sees 16 candidates per loss, not 32: a different objective, visibly so
         assert _largest_difference(got["plain"][0], got["ddp"][0]) > 1e-3
-    assert ranks[0]["eval"] == ranks[1]["eval"]
-    one = _uneven_evaluation(0, 1, 120)  # one process: the same global batches of 120 (the last holds 1 sample)
+
+
+@pytest.mark.slow
+def test_an_uneven_validation_split_ends_with_one_process_s_metrics(two_ranks):
+    """241 samples, batch 60: rank 0 runs 3 batches, rank 1 two and an empty one; one process at batch 120 holds
+    the same global batches (the last of 1 sample)."""
+    assert two_ranks[0]["eval"] == two_ranks[1]["eval"]
+    one = _uneven_evaluation(0, 1, 120)
     for key, value in one.items():
-        assert ranks[0]["eval"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+        assert two_ranks[0]["eval"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert one["val_top1"] > 0 and 0 < one["val_probe_acc"] <= 1
 
 

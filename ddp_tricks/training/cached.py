@@ -5,7 +5,8 @@ loop.py's plain accumulation; a run chooses one when it is built (`choose`), nev
 A step: (1) every micro-batch's outputs without a graph, each micro-batch's random state kept; (2) the task's loss
 on their concatenation and its gradient with respect to those outputs (no model in that graph); (3) each micro-batch
 again, its random state restored (the same dropout), with a graph, back-propagating its slice of that gradient;
-gradients reduced across ranks on the last backward only (no_sync before), as in plain accumulation.
+gradients reduced across ranks on the last backward only (DDP's no_sync, FSDP's gradient sync off, before), as in
+plain accumulation.
 Cost: a second forward of every micro-batch. Requires: a forward that changes no state but BatchNorm's running
 statistics (those are put back after (1), so only (3) updates them, once per micro-batch as plain accumulation
 does), and outputs whose tensors stack along their first dimension (samples).
@@ -27,7 +28,7 @@ from ddp_tricks.training.loop import micro_batches
 from ddp_tricks.training.state import Training
 
 
-def choose(task, accum_steps: int, traced: bool, strategy: str, apex: bool) -> Callable | None:
+def choose(task, accum_steps: int, traced: bool, apex: bool) -> Callable | None:
     """The task's `cached_accumulation = True` with --accum-steps > 1: cached_accumulation; otherwise None (the
     plain accumulation: with one micro-batch per step the two are the same, without the second forward). What
     caching cannot do is one line, before any process group."""
@@ -41,8 +42,6 @@ def choose(task, accum_steps: int, traced: bool, strategy: str, apex: bool) -> C
         )
     if apex:
         raise UserError(f"{why}, which --amp-backend apex cannot scale: use --amp fp16 or --amp bf16")
-    if strategy != "ddp":
-        raise UserError(f"{why}, which runs with --strategy ddp only; drop --strategy {strategy}")
     return cached_accumulation if accum_steps > 1 else None
 
 
