@@ -2,7 +2,9 @@
 `--accum-steps N` micro-batches the plain way (loop.py: one forward and backward each) and the cached way
 (training/cached.py: a forward of each without a graph, the loss over all of them, then each forward again with a
 graph and its backward), interleaved in one run after a warm-up; also the whole batch in one forward (what both
-stand for). Ratios to plain accumulation; on CUDA also each way's peak memory. The last line is one JSON object.
+stand for). Ratios to plain accumulation. Memory: the bytes one forward saves for its backward (the activations a
+backward holds; measured with saved-tensor hooks, so on the CPU too), and on CUDA each way's peak memory. The last
+line is one JSON object.
 
     python bench/cached_accumulation.py [--micro-batch 64] [--accum-steps 4] [--width 32] [--repeats 15]
     python bench/cached_accumulation.py --device cuda --micro-batch 512 --width 64
@@ -37,6 +39,30 @@ def training(task, device: torch.device, accumulation) -> Training:
     t = Training(model, optimizer, schedule, task, ["top1", "probe"], Precision("off", device), device)
     t.accumulation = accumulation
     return t
+
+
+class SavedBytes:
+    """The bytes each forward of `model` saves for backward, by saved-tensor hooks around every forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.per_forward: list[int] = []
+        self._now = 0
+        self._hooks = None
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._finish)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._now += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _start(self, *_):
+        self._now = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+
+    def _finish(self, *_):
+        self._hooks.__exit__(None, None, None)
+        self.per_forward.append(self._now)
 
 
 def step_time(t: Training, step: Step, batches: list, device: torch.device) -> float:
@@ -77,6 +103,7 @@ def main() -> None:
         "one_batch": (Step([[0] * whole], whole, whole), [(inputs, targets)]),
     }
     trainings = {name: training(task, device, WAYS[name]) for name in runs}
+    saved = {name: SavedBytes(t.model) for name, t in trainings.items()}
     times = {name: [] for name in runs}
     peak = {}
     for repeat in range(args.repeats + 2):  # the first two rounds warm up
@@ -101,10 +128,14 @@ def main() -> None:
         "cached_over_plain": round(median["cached"] / median["plain"], 3),
         "one_batch_over_plain": round(median["one_batch"] / median["plain"], 3),
     }
+    result["saved_for_backward_mib"] = {name: round(max(s.per_forward) / 2**20, 2) for name, s in saved.items()}
     if peak:
         result["peak_mib"] = {name: round(value, 1) for name, value in peak.items()}
     for name, value in median.items():
-        print(f"{name:>9}: {1000 * value:8.2f} ms per step ({value / median['plain']:.3f}x plain)")
+        print(
+            f"{name:>9}: {1000 * value:8.2f} ms per step ({value / median['plain']:.3f}x plain), "
+            f"{result['saved_for_backward_mib'][name]:.2f} MiB saved for backward by one forward"
+        )
     print(json.dumps(result))
 
 

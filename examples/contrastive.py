@@ -6,8 +6,11 @@ features of the training digits, fit at every evaluation, scored on the validati
 top-1 (how often a view's nearest embedding in the global batch is its pair's other view). With `--accum-steps N`
 the loss is over all N micro-batches of a step (cached accumulation: exact, at one micro-batch's memory).
 
-    torchrun --standalone --nproc_per_node=2 run.py --task examples/contrastive.py:SimCLR \\
-        --optimizer lars --bn-bias-separately --base-lr 1.0 -b 128 -e 30 --wd 1e-4 --warmup-epochs 3 --scheduler cosine
+    torchrun --standalone --nproc_per_node=2 run.py --task examples/contrastive.py:SimCLR --optimizer lars \\
+        --bn-bias-separately --base-lr 10 -b 64 --accum-steps 4 -e 30 --warmup-epochs 3 --scheduler cosine --wd 1e-4
+
+(global batch 512: 2 ranks x 4 micro-batches of 64, the loss over all of them; docs/tasks.md has LARS against SGD).
+The contrastive top-1 gathers too: in training, one more all-gather of the embeddings per step.
 """
 
 from __future__ import annotations
