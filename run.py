@@ -38,7 +38,7 @@ from ddp_tricks.optim import build as optimizers
 from ddp_tricks.schedules import decay_kind, schedule
 from ddp_tricks.storage import checkpoint, run_folder
 from ddp_tricks.traces import batch_trace
-from ddp_tricks.training import loop, seam
+from ddp_tricks.training import cached, loop, seam
 from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Best, NonFiniteLoss, Training
 
@@ -97,6 +97,8 @@ def run(flags, task, process: launch.Launch) -> int:
     units = fsdp.shard_units(task, model) if flags.strategy == "fsdp" else []  # what is sharded as one
     plan = make_plan(flags, len(train_set), process.world_size)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
+    global_loss = seam.check_global_loss(task, model, train_set, collate, traced=plan.traced)  # gathers from ranks
+    accumulation = cached.choose(task, flags.accum_steps, plan.traced, flags.amp_backend == "apex")  # None: plain
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
     if state is not None:
@@ -106,6 +108,7 @@ def run(flags, task, process: launch.Launch) -> int:
 
     dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, group=flags.strategy == "fsdp")
     t = build_training(flags, task, model, sum_names, plan, dist, units)
+    t.global_loss, t.accumulation = global_loss, accumulation
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     collectives.require_same(
@@ -129,6 +132,8 @@ def run(flags, task, process: launch.Launch) -> int:
         flags.lr_scaling,
         plan.steps_per_epoch,
     )
+    if global_loss and flags.accum_steps > 1 and accumulation is None:
+        log.info("the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation")
     if flags.deterministic:
         log.info(
             "--deterministic: an op without a deterministic kernel warns once, by name, instead of stopping the run; "

@@ -23,10 +23,15 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
     monitor = "loss"             the validation metric that picks best.pt and drives early stopping and
                                  ReduceLROnPlateau (`--monitor NAME` chooses another reported one)
     shown_as = {"acc": ("top-1 accuracy", "%")}   optional: how sweeps and figures name a metric, and its unit
+    cached_accumulation = True   optional: with --accum-steps N, loss() gets the outputs of all N micro-batches of
+                                 a step at once (GradCache: exact for a loss over the batch, such as a contrastive
+                                 one; costs a second forward, keeps one micro-batch's memory)
 
 What a task file imports from the template comes from one place: `from ddp_tricks import InMemoryDataset,
-UserError` (raise UserError for a mistake in the task's own flags: one line, exit 2). `python run.py --task
-path/to/file.py:ClassName` trains a task from another file; examples/ has three. Heavy imports (torch,
+UserError` (raise UserError for a mistake in the task's own flags: one line, exit 2). A loss over the global batch
+uses `from ddp_tricks import gather_with_grad, rank, world_size`: gather_with_grad(z) is every rank's z, in rank
+order, with gradients back to each rank's rows (the identity in one process); see docs/tasks.md. `python run.py --task
+path/to/file.py:ClassName` trains a task from another file; examples/ has four. Heavy imports (torch,
 torchvision) sit inside the methods so that `run.py --help` answers at once. docs/tasks.md has the rules in full.
 """
 

@@ -1,7 +1,8 @@
 """ddp-tricks' machinery, one module per concern; run.py tells the recipe, task.py what is trained.
 
 A task file imports what it needs from here, the one stable place: `from ddp_tricks import InMemoryDataset,
-UserError`. Importing this package does not import torch (so `run.py --help` answers at once).
+UserError`, and for a loss over the global batch `gather_with_grad, rank, world_size`. Importing this package does
+not import torch (so `run.py --help` answers at once): the names that need it are imported on first use.
 
     cli/          the command line: flags by trick, --config files, --task loading, checks
     plan.py       numbers derived once: global batch, LR, steps, each epoch's per-step plan
@@ -24,7 +25,8 @@ from ddp_tricks.errors import UserError
 
 moved.install()  # `import data` and the other old top-level modules fail with a line naming the new home
 
-__all__ = ["InMemoryDataset", "UserError"]
+__all__ = ["InMemoryDataset", "UserError", "gather_with_grad", "rank", "world_size"]
+_RANKS = ("gather_with_grad", "rank", "world_size")  # distributed/collectives.py: a loss that uses the ranks
 
 
 def __getattr__(name: str):
@@ -32,4 +34,8 @@ def __getattr__(name: str):
         from ddp_tricks.data.in_memory import InMemoryDataset
 
         return InMemoryDataset
+    if name in _RANKS:
+        from ddp_tricks.distributed import collectives
+
+        return getattr(collectives, name)
     raise AttributeError(f"module 'ddp_tricks' has no attribute {name!r}")

@@ -1,13 +1,19 @@
-"""Values reduced across ranks: sums, minima, one flag that every rank agrees on, buffers from rank 0, and small
-gathers. Each is a no-op (or the value itself) in a single process without a process group.
+"""Values reduced across ranks: sums, minima, one flag that every rank agrees on, buffers from rank 0, small
+gathers, and the gather a task's loss may use (`gather_with_grad`: every rank's rows, gradients flowing back).
+Each is a no-op (or the value itself) in a single process without a process group.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 from ddp_tricks.errors import UserError
+
+_gathers = 0  # calls of gather_with_grad in this process: how the start-up check learns that a loss uses the ranks
+_uneven = False  # inside uneven_rows(): the ranks' tensors may differ in their number of rows
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,3 +84,85 @@ def require_same(value, what: str) -> None:
     values = gather_objects(value)
     if any(v != values[0] for v in values):
         raise UserError(f"the ranks disagree about {what}: {values}")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if _distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes (1 without a process group)."""
+    return dist.get_world_size() if _distributed() else 1
+
+
+def gather_calls() -> int:
+    """How many times gather_with_grad ran in this process (the start-up check compares before and after)."""
+    return _gathers
+
+
+@contextlib.contextmanager
+def uneven_rows():
+    """Within it, gather_with_grad first exchanges every rank's number of rows (one small all-gather and one host
+    read per call): the evaluation's last batches differ between ranks. Training steps give every rank as many
+    rows, so their gathers skip that exchange and never wait on the host."""
+    global _uneven
+    before, _uneven = _uneven, True
+    try:
+        yield
+    finally:
+        _uneven = before
+
+
+def gather_with_grad(tensor: torch.Tensor, return_offset: bool = False):
+    """Every rank's `tensor`, concatenated along the first dimension in rank order, with gradients flowing back to
+    each rank's own rows: what a loss over the global batch needs (NT-Xent with negatives from every rank).
+
+    The backward sums the gradient of the concatenation over the ranks, then takes this rank's rows: every rank's
+    loss may read every rank's rows, and each contribution reaches the rank that owns them. With DDP averaging the
+    ranks' parameter gradients, a loss that every rank computes alike over the whole gathered batch (or one whose
+    mean over the ranks is that loss: each rank's share of the anchors) then gets exactly the gradient one process
+    gets from the whole batch; no scaling by the world size is needed or wanted.
+
+    Without a process group (one process, the start-up check) it is the tensor itself. With `return_offset`, returns
+    (gathered, offset): this rank's rows are gathered[offset : offset + len(tensor)]. The trailing dimensions must
+    agree on every rank; the rows may differ only inside uneven_rows() (the template's evaluation)."""
+    global _gathers
+    _gathers += 1
+    if not _distributed():
+        return (tensor, 0) if return_offset else tensor
+    if tensor.dim() == 0:
+        raise ValueError("gather_with_grad gathers rows: give it a tensor of at least one dimension")
+    rows = len(tensor)
+    sizes = [rows] * dist.get_world_size()
+    if _uneven:
+        sizes = [int(n) for n in gather_from_ranks(torch.tensor([rows], device=tensor.device)).flatten().tolist()]
+    gathered = _Gather.apply(tensor, sizes)
+    offset = sum(sizes[: dist.get_rank()])
+    return (gathered, offset) if return_offset else gathered
+
+
+class _Gather(torch.autograd.Function):
+    """all_gather whose backward all-reduces (sums) the gradient of the whole concatenation, then slices."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        longest = max(sizes)
+        padded = tensor.contiguous()
+        if len(tensor) < longest:  # all_gather moves equal shapes: pad to the longest, cut after
+            padded = torch.cat([padded, padded.new_zeros((longest - len(tensor), *tensor.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded)
+        rank = dist.get_rank()
+        ctx.start, ctx.stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()  # reduced in place: never the buffer autograd handed us
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad[ctx.start : ctx.stop], None

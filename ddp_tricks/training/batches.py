@@ -68,6 +68,12 @@ def detached(value):
     return value.detach() if isinstance(value, torch.Tensor) else map_tensors(torch.Tensor.detach, value)
 
 
+def no_rows(value):
+    """The batch with none of its samples: every tensor of at least one dimension cut to its first 0 rows (the
+    evaluation's uncounted batch on a rank with fewer batches, where the task's loss gathers from every rank)."""
+    return map_tensors(lambda tensor: tensor[:0] if tensor.dim() > 0 else tensor, value)
+
+
 def samples_in(targets, inputs=None) -> int:
     """The samples in a batch: the first dimension of its targets (of their first tensor), else of the inputs'."""
     if isinstance(targets, torch.Tensor) and targets.dim() > 0:

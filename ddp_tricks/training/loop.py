@@ -18,11 +18,17 @@ import torch
 from torch import nn
 
 from ddp_tricks.data.loaders import seed_epoch
-from ddp_tricks.distributed.collectives import all_reduce_sum, any_rank, broadcast_buffers, max_over_ranks
+from ddp_tricks.distributed.collectives import (
+    all_reduce_sum,
+    any_rank,
+    broadcast_buffers,
+    max_over_ranks,
+    uneven_rows,
+)
 from ddp_tricks.distributed.wrap import accumulating
 from ddp_tricks.plan import Step
 from ddp_tricks.training import precise_bn
-from ddp_tricks.training.batches import detached, float_outputs, samples_in, to_device
+from ddp_tricks.training.batches import detached, float_outputs, no_rows, samples_in, to_device
 from ddp_tricks.training.seam import report
 from ddp_tricks.training.state import Training, restore_rng
 
@@ -79,6 +85,21 @@ def micro_batches(t: Training, step: Step, batches, units_of):
     scale = (t.world_size if t.reduction is None else 1) / total.clamp(min=1)
     for inputs, targets, units in fetched:
         yield inputs, targets, samples_in(targets, inputs), units, units * scale
+
+
+def plain_accumulation(t: Training, step: Step, batches, units_of):
+    """The step's gradient, one micro-batch at a time: each forward and its weighted loss's backward, under
+    `no_sync()` until the last (whose backward reduces the step's gradients across ranks). Yields each micro-batch's
+    (outputs, targets, loss, units, samples) after its backward, for the epoch's sums."""
+    last = len(step.micro_batches) - 1
+    for k, (inputs, targets, samples, units, weight) in enumerate(micro_batches(t, step, batches, units_of)):
+        with contextlib.nullcontext() if k == last else accumulating(t.model):  # gradients reduced on the last
+            outputs, loss = forward(t, t.model, inputs, targets)
+            whole = type(weight) is float and weight == 1.0  # a step of one micro-batch: no multiply, no sync
+            t.precision.backward(loss if whole else loss * weight, t.optimizer)
+        if t.reduction is not None:
+            t.reduction.after_backward(weight)
+        yield outputs, targets, loss, units, samples
 
 
 def progress_bar(enabled: bool, total: int, description: str):
@@ -138,15 +159,9 @@ def train_one_epoch(
     batches = iter(loader)
     if progress is not None:
         progress.update(first_step)
+    accumulate = t.accumulation or plain_accumulation  # chosen when the run was built (cached.py's, or this one)
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
-        last = len(step.micro_batches) - 1
-        for k, (inputs, targets, samples, units, weight) in enumerate(micro_batches(t, step, batches, units_of)):
-            with contextlib.nullcontext() if k == last else accumulating(t.model):  # gradients reduced on the last
-                outputs, loss = forward(t, t.model, inputs, targets)
-                whole = type(weight) is float and weight == 1.0  # a step of one micro-batch: no multiply, no sync
-                t.precision.backward(loss if whole else loss * weight, t.optimizer)
-            if t.reduction is not None:
-                t.reduction.after_backward(weight)
+        for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
             with torch.no_grad():
                 row = batch_sums(t, outputs, targets, loss, units)
                 if skip_nonfinite:  # keep the skipped batch out of the epoch's sums
@@ -228,23 +243,34 @@ def recompute_bn_stats(t: Training, loader, steps: list, samples: int, micro_bat
 def evaluate(t: Training, loader) -> dict[str, float]:
     """The task's loss and metrics over the validation set, each sample counted once across ranks (sums and
     counts). Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward
-    would wait for the others. A sharded model's forward gathers from every rank, so there a rank with fewer
-    batches runs its first one again, uncounted, until every rank has run as many."""
+    would wait for the others. Where a forward or the task's loss talks to every rank, a rank with fewer batches
+    runs extra ones, uncounted, until every rank has run as many: a sharded model's forward gathers parameters (its
+    first batch again), and a loss over the global batch gathers rows (an empty batch through the model, the loss
+    and the metric sums, so that it adds no sample to the others' batches; the gathers exchange their row counts)."""
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
     model.eval()
     units_of = getattr(t.task, "units", None)
     sums = torch.zeros(len(t.sum_names) + 2, dtype=torch.float64, device=t.device)
-    for inputs, targets in loader:
-        inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-        units = samples_in(targets, inputs) if units_of is None else units_tensor(units_of(inputs, targets), t.device)
-        outputs, loss = forward(t, model, inputs, targets)
-        sums[:-1] += batch_sums(t, outputs, targets, loss, units)
-        sums[-1] += units
-    if t.sharded:
-        for _ in range(max_over_ranks(len(loader), t.device) - len(loader)):
-            inputs, _ = next(iter(loader))
-            with t.precision.autocast():
-                model(to_device(inputs, t.device, t.channels_last))
+    extra = max_over_ranks(len(loader), t.device) - len(loader) if t.sharded or t.global_loss else 0
+    first = None
+    with uneven_rows() if t.global_loss else contextlib.nullcontext():
+        for inputs, targets in loader:
+            inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
+            first = (inputs, targets) if first is None else first
+            units = (
+                samples_in(targets, inputs) if units_of is None else units_tensor(units_of(inputs, targets), t.device)
+            )
+            outputs, loss = forward(t, model, inputs, targets)
+            sums[:-1] += batch_sums(t, outputs, targets, loss, units)
+            sums[-1] += units
+        for _ in range(extra):  # every rank has a first batch: check_sizes gives each at least one sample
+            if t.global_loss:
+                inputs, targets = no_rows(first[0]), no_rows(first[1])
+                outputs, loss = forward(t, model, inputs, targets)
+                batch_sums(t, outputs, targets, loss, 0)  # the same collectives as a counted batch; discarded
+            else:
+                with t.precision.autocast():
+                    model(first[0])
     *total, units = all_reduce_sum(sums).tolist()
     return report(t.task, t.sum_names, "val", total, units)

@@ -1,5 +1,6 @@
 """The task as the loop calls it (task.py's seam): the pre-flight checks of a task (its pieces on a few training
-samples, BatchNorm against one-sample micro-batches), and the reported metrics from sums over a whole set.
+samples, BatchNorm against one-sample micro-batches, a loss over the global batch), and the reported metrics from
+sums over a whole set.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ import torch
 from torch import nn
 
 from ddp_tricks.data.loaders import batch_of
+from ddp_tricks.distributed.collectives import gather_calls
 from ddp_tricks.errors import UserError
-from ddp_tricks.training.batches import describe, float_outputs, samples_in
+from ddp_tricks.training.batches import describe, float_outputs, no_rows, samples_in
 
 
 def report(task, sum_names: list[str], prefix: str, values: list[float], count: float) -> dict[str, float]:
@@ -149,3 +151,41 @@ def check_unused_parameters(task, model: nn.Module, dataset, collate=None) -> No
             "and DDP over several processes waits for every parameter's gradient (the run would hang): pass "
             "--find-unused-parameters if some batches use them, or freeze them (requires_grad=False) if none does"
         )
+
+
+def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: bool = False) -> bool:
+    """Whether the task's loss or metric sums gather from every rank (call gather_with_grad), found on the check
+    batch before any process group (where the gather is the identity). Such a task must also take a batch of no
+    sample, which a rank with fewer validation batches runs while the others finish theirs; a traced run, whose ranks
+    run different numbers of micro-batches, would leave a gather waiting. Either is one line here."""
+    inputs, targets = batch_of(dataset, list(range(min(4, len(dataset)))), collate)
+    before = gather_calls()
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = float_outputs(model(inputs))
+            task.loss(outputs, targets)
+            if hasattr(task, "metric_sums"):
+                task.metric_sums(outputs, targets)
+            if gather_calls() == before:
+                return False
+            if traced:
+                raise UserError(
+                    "the task's loss gathers from every rank (gather_with_grad), and a --batch-trace step gives the "
+                    "ranks different numbers of micro-batches, so a gather would wait for a rank that never comes: "
+                    "drop --batch-trace"
+                )
+            empty_inputs, empty_targets = no_rows(inputs), no_rows(targets)
+            fix = "make the model, loss() and metric_sums() take a batch of 0 samples (a mean over none is NaN: fine)"
+            why = "the task's loss gathers from every rank, so a rank with fewer validation batches runs"
+            problem = f"{why} an empty batch through its model, which fails"
+            outputs = _call(lambda x, _: model(x), empty_inputs, None, problem, fix)
+            outputs = float_outputs(outputs)
+            _call(task.loss, outputs, empty_targets, f"{why} an empty batch through its loss(), which fails", fix)
+            if hasattr(task, "metric_sums"):
+                problem = f"{why} an empty batch through its metric_sums(), which fails"
+                _call(task.metric_sums, outputs, empty_targets, problem, fix)
+    finally:
+        model.train(training)
+    return True

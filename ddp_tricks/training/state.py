@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,6 +78,8 @@ class Training:
     channels_last: bool = False
     on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
     reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
+    accumulation: Callable | None = None  # how a step's micro-batches make its gradient: None, loop.py's plain one
+    global_loss: bool = False  # the task's loss gathers from every rank: evaluation keeps the ranks in step
     best: Best | None = None  # the monitored metric's best so far (None: not followed)
     early_stopping: EarlyStopping | None = None
     rank: int = 0

@@ -1,0 +1,386 @@
+"""Losses over the global batch (#28): the gather a loss uses (every rank's rows, gradients back to their owners,
+the identity without a process group), cached (GradCache) accumulation, evaluation that keeps every rank in step
+when the split is uneven, and the SimCLR example (examples/contrastive.py) that uses all three."""
+
+import csv
+import json
+import math
+
+import pytest
+import tiny
+import torch
+import torch.nn.functional as F
+from multiproc import REPO, run_ranks, torchrun
+from torch import nn
+
+from ddp_tricks import UserError, cli, gather_with_grad, rank, world_size
+from ddp_tricks import plan as planning
+from ddp_tricks.data import loaders
+from ddp_tricks.distributed import collectives, fsdp, wrap
+from ddp_tricks.distributed.launch import Dist
+from ddp_tricks.optim import build as optimizers
+from ddp_tricks.training import cached, loop, seam
+
+EXAMPLE = "examples/contrastive.py:SimCLR"
+
+
+def example(*flags):
+    """The SimCLR task of examples/contrastive.py with these flags, as run.py builds it: (flags, task)."""
+    args, task_class = cli.parse(["--task", EXAMPLE, *flags])
+    return args, task_class(args)
+
+
+def plain_nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """NT-Xent written out sample by sample (the test's own reference): z (N, 2, d), L2-normalised rows."""
+    flat = torch.cat([z[:, 0], z[:, 1]]).double()
+    n, terms = len(z), []
+    for i in range(2 * n):
+        others = [j for j in range(2 * n) if j != i]
+        logits = torch.stack([flat[i] @ flat[j] / temperature for j in others])
+        terms.append(-(logits[others.index((i + n) % (2 * n))] - torch.logsumexp(logits, 0)))
+    return torch.stack(terms).mean()
+
+
+# -- the gather ------------------------------------------------------------------------------------------------------
+
+
+def test_the_gather_is_the_identity_without_a_process_group():
+    x = torch.randn(3, 2, requires_grad=True)
+    assert gather_with_grad(x) is x and gather_with_grad(x, return_offset=True) == (x, 0)
+    assert (rank(), world_size()) == (0, 1)
+
+
+def _global_loss_gradient(rank_, world, form):
+    """A loss over every rank's rows (identical on every rank, or each rank's share of the anchors), under DDP."""
+    torch.manual_seed(0)
+    x = torch.randn(12, 5)
+    model = nn.Linear(5, 4)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    mine = x.chunk(world)[rank_]
+    z, offset = gather_with_grad(torch.tanh(model(mine)), return_offset=True)
+    similarity = z @ z.T
+    if form == "identical":
+        loss = torch.logsumexp(similarity, 1).mean() + z.square().mean()
+    else:  # the rank's own anchors against every rank's rows: the ranks' mean is the same loss
+        rows = slice(offset, offset + len(mine))
+        loss = torch.logsumexp(similarity[rows], 1).mean() + z[rows].square().sum() / (len(mine) * z.shape[1])
+    loss.backward()
+    module = model.module if world > 1 else model
+    return module.weight.grad.clone(), module.bias.grad.clone()
+
+
+@pytest.mark.slow
+def test_a_gathered_loss_on_two_ranks_gets_one_process_gradient(two_ranks):
+    """No scaling by the world size: the gather's backward sums over the ranks and DDP averages, so 2 ranks give
+    exactly what one process gets from the whole batch, whether every rank computes the whole loss or its share."""
+    for form in ("identical", "share"):
+        one = _global_loss_gradient(0, 1, form)
+        for got in two_ranks:
+            for a, b in zip(got["gradient " + form], one):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _uneven_gather(rank_, world):
+    rows = [3, 1][rank_]
+    x = torch.full((rows, 2), float(rank_ + 1), requires_grad=True)
+    with collectives.uneven_rows():
+        z, offset = gather_with_grad(x * 1.0, return_offset=True)
+    (z * torch.arange(1.0, 5.0).unsqueeze(1)).sum().backward()  # row i of the concatenation weighs i + 1
+    return z.detach(), offset, x.grad
+
+
+@pytest.mark.slow
+def test_uneven_rows_gather_in_rank_order_and_send_each_rank_its_rows_gradient(two_ranks):
+    (z0, offset0, grad0), (z1, offset1, grad1) = (got["uneven gather"] for got in two_ranks)
+    assert torch.equal(z0, torch.tensor([[1.0, 1], [1, 1], [1, 1], [2, 2]])) and torch.equal(z0, z1)
+    assert (offset0, offset1) == (0, 3)
+    # both ranks' losses read every row: each row's gradient is its weight summed over the 2 ranks
+    assert torch.equal(grad0, torch.tensor([[2.0, 2], [4, 4], [6, 6]])) and torch.equal(grad1, torch.tensor([[8.0, 8]]))
+
+
+# -- cached accumulation in one process ------------------------------------------------------------------------------
+
+
+def _steps_of(model_fn, accumulation, accum_steps, micro_batch=8, steps=3, amp="off"):
+    """`steps` SGD steps of the digits' cross-entropy on a model with BatchNorm and dropout, accumulating
+    `accum_steps` micro-batches; (weights, BatchNorm buffers, the next random draw)."""
+    from ddp_tricks.data import images
+
+    train, _ = images.digits()
+    model = model_fn()
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), amp=amp)
+    t.accumulation = accumulation
+    the_plan = planning.make(num_train=micro_batch * accum_steps * steps, world_size=1, micro_batch=micro_batch,
+                             accum_steps=accum_steps, epochs=1, seed=0, base_lr=0.1, lr_scaling="keep", base_batch=1,
+                             warmup_epochs=0)  # fmt: skip
+    the_steps = the_plan.epoch(1, 0)
+    torch.manual_seed(7)
+    loop.train_one_epoch(t, the_steps, tiny.loader_for(train, the_steps))
+    return model.state_dict(), torch.rand(3)
+
+
+def _dropout_bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.5), nn.Linear(144, 10)
+    )
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
+def test_cached_accumulation_of_a_per_sample_loss_is_plain_accumulation_with_dropout_and_batchnorm(amp):
+    """A per-sample loss gives the same gradient either way, so cached equals plain exactly when the second forward
+    draws the first one's dropout masks (the random state restored) and BatchNorm's statistics move once per
+    micro-batch (the first forward's update put back); under autocast too (fp16: the cached gradient scaled)."""
+    plain, plain_next = _steps_of(_dropout_bn_model, None, accum_steps=3, amp=amp)
+    cached_, cached_next = _steps_of(_dropout_bn_model, cached.cached_accumulation, accum_steps=3, amp=amp)
+    for name, value in plain.items():
+        torch.testing.assert_close(cached_[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert plain["1.num_batches_tracked"] == 9  # 3 steps x 3 micro-batches, once each
+    assert torch.equal(plain_next, cached_next)  # the random stream goes on where plain accumulation leaves it
+
+
+@pytest.mark.parametrize("amp", ["off", "fp16"])
+def test_a_cached_step_adds_no_host_sync(amp):
+    from test_host_syncs import syncs_per_step, toy
+
+    expected = [] if amp == "off" else ["item"]  # fp16: GradScaler's own read, as in every fp16 step
+    t = toy(amp=amp, accumulation=cached.cached_accumulation)
+    assert syncs_per_step(t, accum_steps=2, micro_batch=16) == [expected] * 3
+
+
+def test_cached_accumulation_is_chosen_once_and_refuses_what_it_cannot_do():
+    class Wants:
+        cached_accumulation = True
+
+    assert cached.choose(Wants(), 4, False, False) is cached.cached_accumulation
+    assert cached.choose(Wants(), 1, False, False) is None  # one micro-batch: the plain step, no second forward
+    assert cached.choose(object(), 4, False, False) is None  # a task that does not ask
+    for traced, apex, said in [(True, False, "--batch-trace"), (False, True, "apex")]:
+        with pytest.raises(UserError, match=said) as error:
+            cached.choose(Wants(), 2, traced, apex)
+        assert "\n" not in str(error.value)
+
+
+def test_cached_accumulation_names_outputs_that_do_not_concatenate():
+    with pytest.raises(UserError, match="scalar"):
+        cached.concat([(torch.ones(2), torch.tensor(1.0)), (torch.ones(2), torch.tensor(2.0))])
+    with pytest.raises(UserError, match=r"\(2, 3\), \(2, 5\)"):
+        cached.concat([{"tokens": torch.ones(2, 3)}, {"tokens": torch.ones(2, 5)}])
+    joined = cached.concat([{"a": torch.zeros(2, 3), "tag": "x"}, {"a": torch.ones(1, 3), "tag": "y"}])
+    assert joined["tag"] == "x" and torch.equal(joined["a"], torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3]))
+
+
+# -- the start-up check ----------------------------------------------------------------------------------------------
+
+
+def test_the_start_up_check_finds_a_loss_that_gathers():
+    args, task = example("--views", "fixed")
+    train, _ = task.datasets()
+    model = task.model()
+    assert seam.check_global_loss(task, model, train) is True
+    builtin_args, builtin = cli.parse([])[0], cli.load_task(cli.DEFAULT_TASK)
+    builtin_task = builtin(builtin_args)
+    digits, _ = builtin_task.datasets()
+    assert seam.check_global_loss(builtin_task, builtin_task.model(), digits) is False
+    with pytest.raises(UserError, match="--batch-trace"):
+        seam.check_global_loss(task, model, train, traced=True)
+
+
+def test_a_gathering_loss_that_cannot_take_an_empty_batch_is_one_line():
+    class Strict:
+        def loss(self, outputs, targets):
+            z = gather_with_grad(outputs)
+            if len(outputs) == 0:
+                raise ValueError("no rows")
+            return z.mean()
+
+    data = loaders.InMemoryDataset(torch.randn(6, 3), torch.zeros(6))
+    with pytest.raises(UserError, match=r"empty batch through its loss\(\), which fails \(ValueError: no rows\)"):
+        seam.check_global_loss(Strict(), nn.Linear(3, 2), data)
+
+
+# -- SimCLR across ranks: exact ---------------------------------------------------------------------------------------
+
+STEPS, GLOBAL_BATCH, LR = 10, 32, 0.5
+
+
+def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation, sharded=False):
+    """STEPS LARS steps of the SimCLR example (fixed views, no BatchNorm) at global batch GLOBAL_BATCH, under DDP or
+    (`sharded`) FSDP2; its full weights and training loss."""
+    args, task = example("--views", "fixed", "--encoder-norm", "none")
+    train, _ = task.datasets()
+    train = loaders.InMemoryDataset(train.inputs[: STEPS * GLOBAL_BATCH], train.targets[: STEPS * GLOBAL_BATCH])
+    torch.manual_seed(0)
+    model = task.model()
+    if sharded:
+        model = fsdp.shard(model, fsdp.shard_units(task, model))
+    else:
+        model = wrap.wrap(model, Dist(rank_, world, rank_, tiny.CPU, "gloo" if world > 1 else None))
+    optimizer = optimizers.build(model, "lars", lr=LR, weight_decay=1e-4, bn_bias_separately=True)
+    the_plan = planning.make(num_train=len(train), world_size=world, micro_batch=micro_batch, accum_steps=accum_steps,
+                             epochs=1, seed=0, base_lr=LR, lr_scaling="keep", base_batch=1, warmup_epochs=0,
+                             optimizer="lars")  # fmt: skip
+    steps = the_plan.epoch(1, rank_)
+    assert len(steps) == STEPS and the_plan.global_batch == GLOBAL_BATCH
+    t = tiny.training(model, optimizer, rank=rank_, world_size=world, accumulation=accumulation, global_loss=True)
+    t.task, t.sum_names = task, ["top1", "probe"]
+    result = loop.train_one_epoch(t, steps, tiny.loader_for(train, steps, rank_))
+    weights = {k: (v.full_tensor() if sharded else v).clone() for k, v in t.raw_model.state_dict().items()}
+    return weights, result["train_loss"]
+
+
+def _two_rank_runs(rank_, world):
+    """Everything this file checks on 2 ranks, in one launch."""
+    return {
+        "gradient identical": _global_loss_gradient(rank_, world, "identical"),
+        "gradient share": _global_loss_gradient(rank_, world, "share"),
+        "uneven gather": _uneven_gather(rank_, world),
+        "ddp": _simclr_training(rank_, world, GLOBAL_BATCH // 2, 1, None),
+        "cached": _simclr_training(rank_, world, GLOBAL_BATCH // 4, 2, cached.cached_accumulation),
+        "plain": _simclr_training(rank_, world, GLOBAL_BATCH // 4, 2, None),
+        "fsdp cached": _simclr_training(rank_, world, GLOBAL_BATCH // 4, 2, cached.cached_accumulation, sharded=True),
+        "eval": _uneven_evaluation(rank_, world, 60),
+    }
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _uneven_evaluation(rank_, world, val_batch):
+    """The example's evaluation (BatchNorm on) of 241 validation samples: 121 and 120 on 2 ranks, so with a batch of
+    60 rank 0 runs 3 batches and rank 1 two and one empty one."""
+    args, task = example("--views", "fixed")
+    train, val = task.datasets()
+    extra = loaders.InMemoryDataset(train.inputs[:241], train.targets[:241])
+    torch.manual_seed(1)
+    model = task.model()
+    with torch.no_grad():  # BatchNorm statistics of its own, not the fresh ones
+        model(extra.inputs[:64])
+    model.eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = tiny.training(model, optimizer, rank=rank_, world_size=world)
+    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    loader = loaders.val_loader(extra, val_batch, rank_, world, tiny.CPU)
+    assert len(loader) == [[3], [3, 2]][world - 1][rank_]
+    return loop.evaluate(t, loader)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One launch of 2 gloo ranks for every multi-rank check here: each rank's results."""
+    return run_ranks(_two_rank_runs, 2, timeout=300)
+
+
+@pytest.mark.slow
+def test_simclr_with_global_negatives_on_two_ranks_equals_one_process_after_10_lars_steps(two_ranks):
+    one_weights, one_loss = _simclr_training(0, 1, GLOBAL_BATCH, 1, None)
+    torch.manual_seed(0)
+    initial = example("--encoder-norm", "none")[1].model().state_dict()
+    assert _largest_difference(one_weights, initial) > 1e-2  # 10 steps moved the weights: the equalities mean something
+    for got in two_ranks:  # 2 ranks x 16 equal 1 process x 32
+        assert _largest_difference(got["ddp"][0], one_weights) <= 1e-5
+        assert got["ddp"][1] == pytest.approx(one_loss, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_cached_accumulation_equals_the_unaccumulated_global_batch_under_ddp_and_fsdp(two_ranks):
+    for got in two_ranks:  # 2 ranks x 2 micro-batches of 8 against 2 ranks x 16
+        assert _largest_difference(got["cached"][0], got["ddp"][0]) <= 1e-5
+        assert got["cached"][1] == pytest.approx(got["ddp"][1], rel=1e-6)
+        assert _largest_difference(got["fsdp cached"][0], got["ddp"][0]) <= 1e-5
+        # plain accumulation sees 16 candidates per loss, not 32: a different objective, visibly so
+        assert _largest_difference(got["plain"][0], got["ddp"][0]) > 1e-3
+
+
+@pytest.mark.slow
+def test_an_uneven_validation_split_ends_with_one_process_s_metrics(two_ranks):
+    """241 samples, batch 60: rank 0 runs 3 batches, rank 1 two and an empty one; one process at batch 120 holds
+    the same global batches (the last of 1 sample)."""
+    assert two_ranks[0]["eval"] == two_ranks[1]["eval"]
+    one = _uneven_evaluation(0, 1, 120)
+    for key, value in one.items():
+        assert two_ranks[0]["eval"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert one["val_top1"] > 0 and 0 < one["val_probe_acc"] <= 1
+
+
+def test_single_process_evaluation_is_the_plain_nt_xent_of_each_batch():
+    """The reference above, checked against NT-Xent and the top-1 written out sample by sample."""
+    args, task = example("--views", "fixed", "--temperature", "0.5")
+    train, _ = task.datasets()
+    data = loaders.InMemoryDataset(train.inputs[:25], train.targets[:25])
+    torch.manual_seed(1)
+    model = task.model().eval()
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    got = loop.evaluate(t, loaders.val_loader(data, 10, 0, 1, tiny.CPU))
+    losses, top1 = [], 0
+    with torch.no_grad():
+        for chunk in range(0, 25, 10):
+            z = F.normalize(model(data.inputs[chunk : chunk + 10])["z"], dim=-1)
+            losses.append(plain_nt_xent(z, 0.5) * len(z))
+            flat = torch.cat([z[:, 0], z[:, 1]])
+            similarity = (flat @ flat.T).fill_diagonal_(-math.inf)
+            top1 += (similarity.argmax(1) == (torch.arange(2 * len(z)) + len(z)) % (2 * len(z))).sum().item()
+    assert got["val_loss"] == pytest.approx(sum(losses).item() / 25, rel=1e-5)
+    assert got["val_top1"] == pytest.approx(top1 / 50, abs=1e-12)
+
+
+# -- SimCLR under torchrun, as a user runs it -------------------------------------------------------------------------
+
+ODD_TASK = """
+import importlib.util
+
+from ddp_tricks import InMemoryDataset
+
+spec = importlib.util.spec_from_file_location("contrastive_example", {path!r})
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+
+
+class OddSimCLR(example.SimCLR):
+    '''The example with 241 validation samples: 121 and 120 on 2 ranks.'''
+
+    def datasets(self):
+        train, val = super().datasets()
+        return train, InMemoryDataset(val.inputs[:241], val.targets[:241])
+"""
+
+
+@pytest.mark.slow
+def test_simclr_example_trains_under_torchrun_with_lars_cached_accumulation_and_an_uneven_validation_split(tmp_path):
+    """Two ranks, LARS with norms and biases excluded, --accum-steps 2 (cached), a validation split that leaves
+    rank 0 one batch more: the run ends (no gather waits for a batch that never comes), and its evaluation equals
+    one process's evaluation of the saved weights at the same global batch."""
+    task_file = tmp_path / "odd_simclr.py"
+    task_file.write_text(ODD_TASK.format(path=str(REPO / "examples" / "contrastive.py")))
+    args = ["--task", f"{task_file}:OddSimCLR", "--optimizer", "lars", "--bn-bias-separately", "--base-lr", "1.0",
+            "-b", "16", "--accum-steps", "2", "-e", "1", "--val-batch-size", "60", "--wd", "1e-4",
+            "--runs-dir", str(tmp_path), "--name", "simclr", "--no-progress"]  # fmt: skip
+    result = torchrun(args, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "simclr" / "metrics.csv") as f:
+        row = list(csv.DictReader(f))[-1]
+    config = json.loads((tmp_path / "simclr" / "config.json").read_text())
+    assert config["global_batch_size"] == 64 and 0 < float(row["val_probe_acc"]) <= 1
+
+    flags, task_class = cli.parse(["--task", f"{task_file}:OddSimCLR"])
+    task = task_class(flags)
+    _, val = task.datasets()
+    model = task.model()
+    model.load_state_dict(torch.load(tmp_path / "simclr" / "last.pt", weights_only=True)["model"])
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    one = loop.evaluate(t, loaders.val_loader(val, 120, 0, 1, tiny.CPU))
+    for key in ("val_loss", "val_top1", "val_probe_acc"):
+        assert float(row[key]) == pytest.approx(one[key], rel=1e-5), key
+
+
+def test_importing_the_package_still_imports_no_torch_and_exports_the_rank_helpers():
+    import subprocess
+    import sys
+
+    code = "import sys, ddp_tricks; print('torch' in sys.modules, 'gather_with_grad' in ddp_tricks.__all__)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False True", result.stderr
