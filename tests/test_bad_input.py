@@ -140,6 +140,29 @@ def test_resume_missing_file(tmp_path, capsys):
     _fails(["--resume", str(tmp_path / "nope.pt"), "--runs-dir", str(tmp_path)], "does not exist", capsys)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_from_a_folder_that_is_not_a_checkpoint_says_what_it_lacks(strategy, tmp_path, capsys):
+    # A folder is a sharded checkpoint only with .metadata or state.pt; any other folder was taken for one before.
+    empty, run_folder, sharded_run = tmp_path / "empty", tmp_path / "r", tmp_path / "s"
+    for folder in (empty, run_folder, sharded_run):
+        folder.mkdir()
+    (run_folder / "last.pt").write_bytes(b"")
+    (sharded_run / "last.dcp").symlink_to(tmp_path / "s" / "sharded")
+    (sharded_run / "sharded").mkdir()
+    lacks = "is a folder without .metadata or state.pt, not a checkpoint"
+    cases = {
+        empty: f"{lacks}: give the path of a last.pt/best.pt, a run's last.dcp with --strategy fsdp, or --resume auto "
+        "with --name RUN",
+        run_folder: f"{lacks}: it looks like a run folder; resume from {str(run_folder / 'last.pt')!r}",
+        sharded_run: f"{lacks}: it looks like a sharded run's folder; resume from "
+        f"{str(sharded_run / 'last.dcp')!r} with --strategy fsdp",
+    }
+    for folder, message in cases.items():
+        argv = ["--resume", str(folder), "--strategy", strategy, "-n", "new", "--runs-dir", str(tmp_path)]
+        _fails(argv, f"error: checkpoint {str(folder)!r} {message}", capsys)
+    assert not (tmp_path / "new").exists()
+
+
 def _not_ours(path):
     return (
         f"error: checkpoint {str(path)!r} is not a checkpoint written by this project (or is corrupt); "
