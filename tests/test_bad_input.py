@@ -2,6 +2,7 @@
 no traceback, nothing written or overwritten. (Multi-rank exit codes: test_end_to_end.)"""
 
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,6 +135,18 @@ def test_more_processes_than_validation_samples(monkeypatch, capsys):
 def test_sync_bn_on_cpu_processes(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     _fails(["--sync-bn", "--device", "cpu"], "--sync-bn needs CUDA devices", capsys)
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_sync_bn_with_a_batch_trace_is_refused(world_size, monkeypatch, tmp_path, capsys):
+    # A traced run is not DDP-wrapped (wrap.wrap converts to SyncBatchNorm), and its ranks run different numbers of
+    # micro-batches per step: --sync-bn was silently dropped before; now it is one line, before the CPU check too.
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    trace = str(Path(run.__file__).parent / "examples" / "traces" / "doubling.csv")
+    message = "--sync-bn cannot work with --batch-trace: a traced step gives the ranks different numbers of micro-"
+    _fails(["--sync-bn", "--batch-trace", trace, "--device", "cpu", "-e", "1", "--runs-dir", str(tmp_path)], message,
+           capsys)  # fmt: skip
+    assert not any(tmp_path.iterdir())
 
 
 def test_resume_missing_file(tmp_path, capsys):
