@@ -193,7 +193,7 @@ def _launch_flags(g: argparse._ArgumentGroup) -> None:
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu",
+        help="auto: cuda:LOCAL_RANK when CUDA is available (cuda:0 where a process sees one GPU), else cpu",
     )
     g.add_argument(
         "--backend",
