@@ -108,13 +108,12 @@ def run(flags, task, process: launch.Launch) -> int:
     preemption = Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(collectives.gather_objects(os.getpid()))
     log.info(
-        "%s on %d process(es), device %s: %s, learning rate %.6g (--lr-scaling %s), %d steps/epoch",
+        "%s on %d process(es), device %s: %s, %s, %d steps/epoch",
         flags.task,
         dist.world_size,
         dist.device,
         plan.describe(),
-        plan.lr,
-        flags.lr_scaling,
+        cli.describe_lr(flags, plan.lr),
         plan.steps_per_epoch,
     )
     if flags.plot_lr:
