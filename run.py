@@ -82,8 +82,11 @@ def run(flags, task, process: launch.Launch) -> int:
     model = task.model()
     collate = getattr(task, "collate", None)  # the task's own batching (padding sequences, say), when it has one
     sum_names = seam.check_task(task, model, train_set, collate)  # also initialises lazy modules
+    sparse = seam.sparse_parameters(task, model, train_set, collate)  # one backward: which get sparse gradients
     units = fsdp.shard_units(task, model) if flags.strategy == "fsdp" else []  # what is sharded as one
     plan = make_plan(flags, len(train_set), process.world_size)
+    nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
+    seam.check_sparse(sparse, flags.optimizer, flags.lars_wrap, flags.strategy, plan.traced, nccl)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
@@ -93,7 +96,7 @@ def run(flags, task, process: launch.Launch) -> int:
     run_folder.check(Path(flags.run_dir), resume=continues, overwrite=flags.overwrite)
 
     dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, group=flags.strategy == "fsdp")
-    t = build_training(flags, task, model, sum_names, plan, dist, units)
+    t = build_training(flags, task, model, sum_names, plan, dist, units, sparse)
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     collectives.require_same(
@@ -116,6 +119,8 @@ def run(flags, task, process: launch.Launch) -> int:
         cli.describe_lr(flags, plan.lr),
         plan.steps_per_epoch,
     )
+    if sparse:
+        log.info("sparse gradients in %s: plain SGD steps them, without momentum or weight decay", ", ".join(sparse))
     if flags.plot_lr:
         if dist.is_main:
             log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path))
@@ -215,9 +220,9 @@ def make_plan(flags, num_train: int, world_size: int) -> planning.Plan:
     )
 
 
-def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: launch.Dist, units) -> Training:
-    """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer, the schedule, precision, best
-    and early stopping."""
+def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: launch.Dist, units, sparse) -> Training:
+    """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer (the parameters named in `sparse`
+    get sparse gradients), the schedule, precision, best and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms()
     memory_format = torch.channels_last if flags.channels_last else torch.preserve_format
@@ -238,6 +243,7 @@ def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: lau
         lookahead=flags.lookahead,
         lookahead_k=flags.lookahead_k,
         lookahead_alpha=flags.lookahead_alpha,
+        sparse=sparse,
     )
     apex_amp = None
     if flags.amp_backend == "apex":

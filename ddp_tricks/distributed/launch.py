@@ -82,6 +82,16 @@ def choose_device(device_flag: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def backend_of(backend_flag: str, device_type: str) -> str:
+    """--backend, where `auto` is nccl on CUDA devices and gloo on the CPU."""
+    return backend_flag if backend_flag != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+
+
+def device_type(device_flag: str) -> str:
+    """The kind of device --device gives (cuda or cpu), before any device is picked."""
+    return "cuda" if device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def setup(
     launch: Launch, device_flag: str = "auto", backend_flag: str = "auto", timeout_s: float = 600, group: bool = False
 ) -> Dist:
@@ -92,7 +102,7 @@ def setup(
         torch.cuda.set_device(device)
     if not launch.is_distributed and not group:
         return Dist(0, 1, 0, device, None)
-    backend = backend_flag if backend_flag != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = backend_of(backend_flag, device.type)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not launch.is_distributed:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
