@@ -94,8 +94,11 @@ def run(flags, task, process: launch.Launch) -> int:
     reducer = flags.strategy == "ddp" and process.world_size > 1 and not flags.batch_trace  # DDP's, which waits
     if reducer and not (flags.find_unused_parameters or flags.static_graph):  # for every parameter's gradient
         seam.check_unused_parameters(task, model, train_set, collate)  # one that gets none: said here, not a hang
+    sparse = seam.sparse_parameters(task, model, train_set, collate)  # one backward: which get sparse gradients
     units = fsdp.shard_units(task, model) if flags.strategy == "fsdp" else []  # what is sharded as one
     plan = make_plan(flags, len(train_set), process.world_size)
+    nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
+    seam.check_sparse(sparse, flags.optimizer, flags.lars_wrap, flags.strategy, plan.traced, nccl)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
     global_loss = seam.check_global_loss(task, model, train_set, collate, traced=plan.traced)  # gathers from ranks
     accumulation = cached.choose(task, flags.accum_steps, plan.traced, flags.amp_backend == "apex")  # None: plain
@@ -107,7 +110,7 @@ def run(flags, task, process: launch.Launch) -> int:
     run_folder.check(Path(flags.run_dir), resume=continues, overwrite=flags.overwrite)
 
     dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, group=flags.strategy == "fsdp")
-    t = build_training(flags, task, model, sum_names, plan, dist, units)
+    t = build_training(flags, task, model, sum_names, plan, dist, units, sparse)
     t.global_loss, t.accumulation = global_loss, accumulation
     if state is not None:
         t.load_state_dict(state, str(resume_from))
@@ -123,13 +126,12 @@ def run(flags, task, process: launch.Launch) -> int:
     preemption = Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(collectives.gather_objects(os.getpid()))
     log.info(
-        "%s on %d process(es), device %s: %s, learning rate %.6g (--lr-scaling %s), %d steps/epoch",
+        "%s on %d process(es), device %s: %s, %s, %d steps/epoch",
         flags.task,
         dist.world_size,
         dist.device,
         plan.describe(),
-        plan.lr,
-        flags.lr_scaling,
+        cli.describe_lr(flags, plan.lr),
         plan.steps_per_epoch,
     )
     if global_loss and flags.accum_steps > 1 and accumulation is None:
@@ -139,6 +141,8 @@ def run(flags, task, process: launch.Launch) -> int:
             "--deterministic: an op without a deterministic kernel warns once, by name, instead of stopping the run; "
             "a run that uses one is not bit-reproducible"
         )
+    if sparse:
+        log.info("sparse gradients in %s: plain SGD steps them, without momentum or weight decay", ", ".join(sparse))
     if flags.plot_lr:
         if dist.is_main:
             log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path))
@@ -241,9 +245,9 @@ def make_plan(flags, num_train: int, world_size: int) -> planning.Plan:
     )
 
 
-def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: launch.Dist, units) -> Training:
-    """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer, the schedule, precision, best
-    and early stopping."""
+def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: launch.Dist, units, sparse) -> Training:
+    """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer (the parameters named in `sparse`
+    get sparse gradients), the schedule, precision, best and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
     memory_format = torch.channels_last if flags.channels_last else torch.preserve_format
@@ -264,6 +268,7 @@ def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: lau
         lookahead=flags.lookahead,
         lookahead_k=flags.lookahead_k,
         lookahead_alpha=flags.lookahead_alpha,
+        sparse=sparse,
     )
     apex_amp = None
     if flags.amp_backend == "apex":

@@ -5,7 +5,9 @@ side by side. The last line is one JSON object.
 
     python bench/fsdp_memory.py [--optimizer lamb|adamw|lars] [--width 1024] [--steps 12] [--device cpu|cuda]
 
-On CPU the ranks are gloo processes on this machine; with --device cuda, one process per GPU on nccl.
+On CPU the ranks are gloo processes on this machine; with --device cuda, one process per GPU on nccl (rank r on
+cuda:r), so a world size larger than the visible GPUs is skipped, and said. A rank that dies ends the run within
+about a second, with its exit code, rather than leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import argparse
 import datetime
 import json
 import os
+import queue as queue_module
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -53,11 +57,16 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     }
 
 
+def device_for(rank: int, device: str) -> torch.device:
+    """Rank r's device: cuda:r (main runs only the world sizes the visible GPUs allow), or the CPU."""
+    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+
+
 def worker(rank: int, world_size: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    device = device_for(rank, args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
@@ -94,6 +103,51 @@ def worker(rank: int, world_size: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
+def world_sizes(requested: list[int], device: str, gpus: int) -> tuple[list[int], list[int]]:
+    """The world sizes this machine can run (each rank its own GPU on cuda: at most `gpus`) and those it skips."""
+    if device != "cuda":
+        return list(requested), []
+    return [w for w in requested if w <= gpus], [w for w in requested if w > gpus]
+
+
+def run_world(world_size: int, args, target=None, timeout: float = 900.0, poll: float = 0.2) -> dict:
+    """`target(rank, world_size, port, args, queue)` (the benchmark's worker) in `world_size` processes; rank 0's
+    result. A rank that exits without it ends the wait at once: the others are killed and the error names it."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target or worker, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                return json.loads(queue.get(timeout=poll))
+            except queue_module.Empty:
+                pass
+            failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:  # the others would wait for it in a collective until their process group's timeout
+                rank, code = failed[0]
+                before = "reporting" if rank == 0 else "rank 0 reported"
+                raise RuntimeError(
+                    f"world size {world_size}: rank {rank} exited with code {code} before {before} (its error is "
+                    "printed above)"
+                )
+            if all(p.exitcode == 0 for p in procs) and queue.empty():
+                raise RuntimeError(f"world size {world_size}: every rank exited, and rank 0 reported nothing")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"world size {world_size}: no result after {timeout:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("lamb", "adamw", "lars", "sgd"), default="lamb")
@@ -103,19 +157,19 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3])
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus == 0:
+        sys.exit("error: --device cuda, but torch sees no CUDA device; run on --device cpu")
+    worlds, skipped = world_sizes(args.world_sizes, args.device, gpus)
+    if skipped:
+        print(f"world size(s) {', '.join(map(str, skipped))} skipped: each rank needs a GPU of its own, and "
+              f"{gpus} are visible")  # fmt: skip
     rows = {}
-    for world_size in args.world_sizes:
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=worker, args=(r, world_size, port, args, queue)) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        rows[world_size] = json.loads(queue.get(timeout=900))
-        for p in procs:
-            p.join(timeout=60)
+    for world_size in worlds:
+        try:
+            rows[world_size] = run_world(world_size, args)
+        except RuntimeError as error:
+            sys.exit(f"error: {error}")
     params = sum(p.numel() for p in model_of(args.width).parameters())
     print(f"torch {torch.__version__}, {args.device}, {args.optimizer}, {params / 1e6:.2f} M parameters, batch "
           f"{args.batch} per rank, median of {args.steps} steps")  # fmt: skip

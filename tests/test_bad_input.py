@@ -2,6 +2,7 @@
 no traceback, nothing written or overwritten. (Multi-rank exit codes: test_end_to_end.)"""
 
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,8 +137,43 @@ def test_sync_bn_on_cpu_processes(monkeypatch, capsys):
     _fails(["--sync-bn", "--device", "cpu"], "--sync-bn needs CUDA devices", capsys)
 
 
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_sync_bn_with_a_batch_trace_is_refused(world_size, monkeypatch, tmp_path, capsys):
+    # A traced run is not DDP-wrapped (wrap.wrap converts to SyncBatchNorm), and its ranks run different numbers of
+    # micro-batches per step: --sync-bn was silently dropped before; now it is one line, before the CPU check too.
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    trace = str(Path(run.__file__).parent / "examples" / "traces" / "doubling.csv")
+    message = "--sync-bn cannot work with --batch-trace: a traced step gives the ranks different numbers of micro-"
+    _fails(["--sync-bn", "--batch-trace", trace, "--device", "cpu", "-e", "1", "--runs-dir", str(tmp_path)], message,
+           capsys)  # fmt: skip
+    assert not any(tmp_path.iterdir())
+
+
 def test_resume_missing_file(tmp_path, capsys):
     _fails(["--resume", str(tmp_path / "nope.pt"), "--runs-dir", str(tmp_path)], "does not exist", capsys)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_from_a_folder_that_is_not_a_checkpoint_says_what_it_lacks(strategy, tmp_path, capsys):
+    # A folder is a sharded checkpoint only with .metadata or state.pt; any other folder was taken for one before.
+    empty, run_folder, sharded_run = tmp_path / "empty", tmp_path / "r", tmp_path / "s"
+    for folder in (empty, run_folder, sharded_run):
+        folder.mkdir()
+    (run_folder / "last.pt").write_bytes(b"")
+    (sharded_run / "last.dcp").symlink_to(tmp_path / "s" / "sharded")
+    (sharded_run / "sharded").mkdir()
+    lacks = "is a folder without .metadata or state.pt, not a checkpoint"
+    cases = {
+        empty: f"{lacks}: give the path of a last.pt/best.pt, a run's last.dcp with --strategy fsdp, or --resume auto "
+        "with --name RUN",
+        run_folder: f"{lacks}: it looks like a run folder; resume from {str(run_folder / 'last.pt')!r}",
+        sharded_run: f"{lacks}: it looks like a sharded run's folder; resume from "
+        f"{str(sharded_run / 'last.dcp')!r} with --strategy fsdp",
+    }
+    for folder, message in cases.items():
+        argv = ["--resume", str(folder), "--strategy", strategy, "-n", "new", "--runs-dir", str(tmp_path)]
+        _fails(argv, f"error: checkpoint {str(folder)!r} {message}", capsys)
+    assert not (tmp_path / "new").exists()
 
 
 def _not_ours(path):

@@ -8,6 +8,7 @@ LAMB and Lookahead) are also checked here on the CPU.
 import copy
 import csv
 import math
+import time
 import warnings
 
 import pytest
@@ -434,3 +435,47 @@ def test_a_step_makes_exactly_its_documented_host_syncs_on_cuda(amp, on_nonfinit
     assert syncs[1:] == [per_step] * (len(steps) - 1)
     skipped = {None: 0, "overflow": len(steps), "nan": 1}[trouble]
     assert t.skipped_steps == skipped and t.global_step == len(steps)
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_processes_shown_one_gpu_each_use_it_and_two_on_one_gpu_are_one_line(tmp_path):
+    """Two ranks started as SLURM's --gpu-bind starts them (RANK, LOCAL_RANK, WORLD_SIZE set; each process shown
+    one GPU by CUDA_VISIBLE_DEVICES): with two GPUs each trains on its own, as cuda:0; with one, both are shown the
+    same GPU, and nccl cannot put two ranks on it: one of them says so in one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    from multiproc import REPO, free_port
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(GPUS)]
+    shown = [ids[0], ids[1]] if GPUS >= 2 else [ids[0], ids[0]]
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        env = os.environ | launcher | {"RANK": str(rank), "LOCAL_RANK": str(rank), "CUDA_VISIBLE_DEVICES": shown[rank]}
+        command = [sys.executable, str(REPO / "run.py"), "-e", "1", "--no-progress", "-n", "r", "--runs-dir",
+                   str(tmp_path), "--dist-timeout", "60"]  # fmt: skip
+        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))  # fmt: skip
+    try:
+        if GPUS >= 2:
+            outputs = [p.communicate(timeout=240) for p in procs]
+            assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outputs]
+            assert "device cuda:0" in outputs[0][0]  # rank 0's start line; rank 1 uses its own GPU as cuda:0 too
+            return
+        deadline = time.time() + 120
+        while all(p.poll() is None for p in procs) and time.time() < deadline:
+            time.sleep(0.2)
+        refused = next(p for p in procs if p.poll() is not None)  # the other waits for it in the rendezvous
+        err = refused.communicate(timeout=30)[1].strip().splitlines()
+        assert refused.returncode == 2 and len(err) == 1, err
+        assert "shares its GPU" in err[0] and "nccl needs one GPU per rank" in err[0], err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()

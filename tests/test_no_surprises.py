@@ -1,6 +1,7 @@
 """No surprises (#12): the command line says what it does, checkpoints and traces fail in plain words, files get
 the usual permissions, the sweep's defaults fit its epochs. Bad-flag messages: test_bad_input's catalogue."""
 
+import json
 import math
 import os
 import re
@@ -23,6 +24,50 @@ from ddp_tricks.traces import original_api as trace_api
 @pytest.mark.parametrize("flag", ["-l", "--base-lr", "--learning-rate", "--learning_rate", "--lr"])
 def test_every_spelling_of_the_learning_rate(flag):
     assert config.parse([flag, "0.3"])[0].base_lr == 0.3
+
+
+# Each optimizer's default LR, as the grid on the built-in task picked it (docs/tricks.md): written here, not read
+# from the code, so a changed default is a changed test. LARS's is ~100x SGD's (its trust ratio is about 1e-3).
+DEFAULT_LRS = {
+    ("sgd",): 0.05,
+    ("adam",): 0.003,
+    ("adamw",): 0.003,
+    ("lars",): 5.0,
+    ("lamb",): 0.02,
+    ("sgd", "--lars-wrap"): 5.0,
+    ("adam", "--lars-wrap"): 0.003,
+    ("adamw", "--lars-wrap"): 0.003,
+    ("lamb", "--lars-wrap"): 0.02,
+}
+
+
+@pytest.mark.parametrize("optimizer", DEFAULT_LRS, ids=[" ".join(k) for k in DEFAULT_LRS])
+def test_each_optimizer_has_its_own_default_learning_rate(optimizer, tmp_path):
+    argv = ["--optimizer", *optimizer]
+    cfg = config.parse(argv)[0]
+    assert (cfg.base_lr, cfg.base_lr_default) == (DEFAULT_LRS[optimizer], True)
+    typed = config.parse([*argv, "--base-lr", "0.7"])[0]  # given, on the command line or in a file: it wins
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'optimizer = "{optimizer[0]}"\nbase-lr = 0.7\n')
+    from_file = config.parse(["--config", str(recipe), *optimizer[1:]])[0]
+    assert (typed.base_lr, typed.base_lr_default) == (from_file.base_lr, from_file.base_lr_default) == (0.7, False)
+
+
+def test_the_start_line_says_the_learning_rate_is_the_optimizer_s_default(tmp_path):
+    lars = config.parse(["--optimizer", "lars"])[0]
+    assert config.describe_lr(lars, 5.0) == "learning rate 5 (the default for --optimizer lars; --base-lr to change)"
+    wrapped = config.parse(["--optimizer", "sgd", "--lars-wrap", "--lr-scaling", "linear"])[0]
+    assert config.describe_lr(wrapped, 2.5) == (
+        "learning rate 2.5 (--base-lr 5, the default for --optimizer sgd --lars-wrap, with --lr-scaling linear)"
+    )
+    given = config.parse(["--optimizer", "lars", "-l", "2"])[0]
+    assert config.describe_lr(given, 2.0) == "learning rate 2 (--lr-scaling keep)"
+    assert run.main(["--optimizer", "lars", "-e", "1", "-b", "256", "--no-progress", "-n", "r", "--runs-dir",
+                     str(tmp_path)]) == 0  # fmt: skip
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "learning rate 5 (the default for --optimizer lars; --base-lr to change)" in log
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (saved["base_lr"], saved["base_lr_default"], saved["effective_lr"]) == (5.0, True, 5.0)
 
 
 def _help_entries(monkeypatch) -> dict[str, str]:
@@ -53,6 +98,10 @@ def test_help_shows_every_default_once(monkeypatch):
     assert entries["--resume auto|PATH"].endswith("(default: none)")
     assert entries["-e EPOCHS, --epochs EPOCHS"] == "epochs to train (default: 10)"  # said once, not twice
     assert entries["--end-lr END_LR"].endswith("(default: 0)")
+    assert entries["-l BASE_LR, --base-lr BASE_LR, --learning-rate BASE_LR, --learning_rate BASE_LR, --lr BASE_LR"] == (
+        "learning rate before scaling (default: the optimizer's: sgd 0.05, adam 0.003, adamw 0.003, lars 5, lamb "
+        "0.02; with --lars-wrap: sgd 5, the others their own)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddp_tricks import optim
 from ddp_tricks.cli import config_file
 from ddp_tricks.cli.checks import check, given_flags
 from ddp_tricks.cli.config_file import blame
@@ -21,7 +22,7 @@ from ddp_tricks.cli.flags import Parser, build_parser
 from ddp_tricks.cli.tasks import DEFAULT_TASK, load_task, mode_of, monitored_metric
 from ddp_tricks.errors import UserError, report
 
-__all__ = ["parse", "answer_early", "build_parser", "blame", "load_task", "mode_of", "DEFAULT_TASK"]
+__all__ = ["parse", "answer_early", "describe_lr", "build_parser", "blame", "load_task", "mode_of", "DEFAULT_TASK"]
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
@@ -56,6 +57,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
         }
     file_argv, file_keys = config_file.config_argv(table, parser, path) if path else ([], {})
     cfg = parser.parse_args(file_argv + argv)
+    cfg.base_lr_default = cfg.base_lr is None  # neither typed nor in the file: the optimizer's own
+    if cfg.base_lr_default:
+        cfg.base_lr = optim.default_lr(cfg.optimizer, cfg.lars_wrap)
     if path:
         typed = given_flags(parser, argv)
         from_file = [action for action in parser._actions if action.dest in file_keys and action.dest not in typed]
@@ -71,6 +75,17 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
         cfg.name = time.strftime("%Y%m%d-%H%M%S")
     cfg.run_dir = str(Path(cfg.runs_dir) / cfg.name)
     return cfg, task_class
+
+
+def describe_lr(flags: argparse.Namespace, lr: float) -> str:
+    """The run's learning rate for its start line, and where it comes from when --base-lr was not given."""
+    scaling = f"--lr-scaling {flags.lr_scaling}"
+    if not flags.base_lr_default:
+        return f"learning rate {lr:.6g} ({scaling})"
+    whose = f"--optimizer {flags.optimizer}{' --lars-wrap' if flags.lars_wrap else ''}"
+    if flags.lr_scaling == "keep":
+        return f"learning rate {lr:.6g} (the default for {whose}; --base-lr to change)"
+    return f"learning rate {lr:.6g} (--base-lr {flags.base_lr:g}, the default for {whose}, with {scaling})"
 
 
 def answer_early(argv: list[str]) -> None:

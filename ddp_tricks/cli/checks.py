@@ -150,6 +150,11 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
         raise UserError("--nesterov needs --momentum > 0")
     if cfg.backend == "nccl" and (cfg.device == "cpu" or _runs_on_cpu(cfg)):
         raise UserError("--backend nccl needs CUDA devices; use --backend gloo with --device cpu")
+    if cfg.sync_bn and cfg.batch_trace:
+        raise UserError(
+            "--sync-bn cannot work with --batch-trace: a traced step gives the ranks different numbers of "
+            "micro-batches (an idle rank none), and SyncBatchNorm needs every rank in each forward; drop one of them"
+        )
     if cfg.sync_bn and _launch_world_size() > 1 and _runs_on_cpu(cfg):
         raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")
     if cfg.strategy == "fsdp":

@@ -193,7 +193,7 @@ def _launch_flags(g: argparse._ArgumentGroup) -> None:
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu",
+        help="auto: cuda:LOCAL_RANK when CUDA is available (cuda:0 where a process sees one GPU), else cpu",
     )
     g.add_argument(
         "--backend",
@@ -260,8 +260,8 @@ def _optimizer_flags(g: argparse._ArgumentGroup) -> None:
         "--lr",
         dest="base_lr",
         type=float,
-        default=0.05,
-        help="learning rate before scaling (default: 0.05)",
+        default=None,
+        help=f"learning rate before scaling (default: the optimizer's: {optim.described_defaults()})",
     )
     g.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum (default: 0.9)")
     g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD, LARS)")

@@ -63,12 +63,16 @@ def detect(local_rank_flag: int | None = None) -> Launch:
 
 
 def choose_device(device_flag: str, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is there (CUDA_VISIBLE_DEVICES respected by torch), else cpu."""
+    """cuda:LOCAL_RANK when CUDA is there (CUDA_VISIBLE_DEVICES respected by torch), else cpu. A process that sees
+    exactly one GPU uses it, whatever its local rank: one GPU per process (SLURM's --gpu-bind, one container per
+    GPU) shows each process its own as cuda:0."""
     if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
     count = torch.cuda.device_count()
+    if count == 1:  # several processes of a node on one GPU, by mistake, are found in setup (refuse_shared_gpu)
+        return torch.device("cuda", 0)
     if local_rank >= count:
         raise UserError(
             f"local rank {local_rank} has no GPU: only {count} visible; "
@@ -76,6 +80,16 @@ def choose_device(device_flag: str, local_rank: int) -> torch.device:
             rank_specific=True,
         )
     return torch.device("cuda", local_rank)
+
+
+def backend_of(backend_flag: str, device_type: str) -> str:
+    """--backend, where `auto` is nccl on CUDA devices and gloo on the CPU."""
+    return backend_flag if backend_flag != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+
+
+def device_type(device_flag: str) -> str:
+    """The kind of device --device gives (cuda or cpu), before any device is picked."""
+    return "cuda" if device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def setup(
@@ -88,7 +102,7 @@ def setup(
         torch.cuda.set_device(device)
     if not launch.is_distributed and not group:
         return Dist(0, 1, 0, device, None)
-    backend = backend_flag if backend_flag != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = backend_of(backend_flag, device.type)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not launch.is_distributed:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -98,6 +112,8 @@ def setup(
     # address that a killed rank of the previous attempt published, and gloo then waits on a dead port.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"ddp_tricks/attempt_{attempt}/", store)
+    if backend == "nccl":
+        refuse_shared_gpu(store, torch.cuda.get_device_properties(device).uuid, rank)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -109,6 +125,20 @@ def setup(
     control_group = dist.new_group(backend="gloo")  # its own queue: agreement never waits behind DDP's traffic
     watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank())  # a failing rank ends the job in seconds
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
+
+
+def refuse_shared_gpu(store, gpu_id, rank: int) -> None:
+    """nccl puts one rank on one GPU. Several processes that each see one GPU all use cuda:0 (choose_device), which
+    is right when it is a different GPU in each (SLURM's --gpu-bind) and a mistake when it is the same one (more
+    processes per node than GPUs): each rank counts itself on its GPU's id in the rendezvous store (one add, no
+    wait), and a rank that finds another there says so, by rank; the launcher then ends the others."""
+    if store.add(f"gpu/{gpu_id}", 1) > 1:
+        raise UserError(
+            f"rank {rank} shares its GPU ({gpu_id}) with another rank, and nccl needs one GPU per rank: launch at "
+            "most as many processes per node as there are GPUs, or give each process its own "
+            "(CUDA_VISIBLE_DEVICES, SLURM's --gpu-bind)",
+            rank_specific=True,
+        )
 
 
 def cleanup() -> None:

@@ -24,6 +24,8 @@ def load(path: str | Path, strategy: str = "ddp", resumable: bool = True) -> dic
     the other strategy, is a UserError naming it. `resumable=False`: the weights are all that is wanted."""
     path = Path(path)
     if path.is_dir():
+        if not (path / ".metadata").exists() and not (path / sharded.STATE).exists():  # any folder is not one
+            raise UserError(_not_a_checkpoint(path))
         if strategy != "fsdp":
             raise UserError(
                 f"checkpoint {str(path)!r} is sharded (written by --strategy fsdp): resume it with --strategy fsdp"
@@ -54,6 +56,20 @@ def load(path: str | Path, strategy: str = "ddp", resumable: bool = True) -> dic
             f"sharded checkpoint (runs/<name>/{sharded.LINK}): resume this one with --strategy ddp"
         )
     return state
+
+
+def _not_a_checkpoint(folder: Path) -> str:
+    """What a folder given to --resume lacks, and the path it was probably meant to be (a run folder's checkpoint)."""
+    what = f"checkpoint {str(folder)!r} is a folder without .metadata or {sharded.STATE}, not a checkpoint"
+    if (folder / LAST["ddp"]).is_file():
+        return f"{what}: it looks like a run folder; resume from {str(folder / LAST['ddp'])!r}"
+    if (folder / LAST["fsdp"]).exists():
+        sharded_last = str(folder / LAST["fsdp"])
+        return f"{what}: it looks like a sharded run's folder; resume from {sharded_last!r} with --strategy fsdp"
+    return (
+        f"{what}: give the path of a last.pt/best.pt, a run's {LAST['fsdp']} with --strategy fsdp, or --resume auto "
+        "with --name RUN"
+    )
 
 
 def resume_path(resume: str | None, run_dir: str | Path, strategy: str = "ddp") -> Path | None:

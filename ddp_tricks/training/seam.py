@@ -78,6 +78,57 @@ def check_task(task, model: nn.Module, dataset, collate=None) -> list[str]:
     return list(sums)
 
 
+def sparse_parameters(task, model: nn.Module, dataset, collate=None) -> list[str]:
+    """The names of the parameters that get sparse gradients (nn.Embedding(sparse=True), F.embedding(...,
+    sparse=True)), from one backward of the task's loss on check_task's four training samples, in eval mode,
+    before any process group; every gradient is cleared after."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return []
+    inputs, targets = batch_of(dataset, list(range(min(4, len(dataset)))), collate)
+    training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            loss = task.loss(float_outputs(model(inputs)), targets)
+        if loss.requires_grad:
+            loss.backward()
+        return [name for name, p in params if p.grad is not None and p.grad.is_sparse]
+    finally:
+        model.train(training)
+        for _, p in params:
+            p.grad = None
+
+
+def check_sparse(names: list[str], optimizer: str, lars_wrap: bool, strategy: str, traced: bool, nccl: bool) -> None:
+    """Sparse gradients (`names`, from sparse_parameters) where this run could not take them, in one line with the
+    fix; they train with --optimizer sgd on DDP over gloo (or in one process): the rest of the template takes
+    them as they are (accumulation, clipping, AMP, Lookahead, every schedule). Found here, not at the first step."""
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    what = f"the model's {shown} get{'s' if len(names) == 1 else ''} sparse gradients (an nn.Embedding(sparse=True))"
+    dense = "or make the tables dense (sparse=False)"
+    if optimizer != "sgd":
+        raise UserError(
+            f"{what}, which --optimizer {optimizer} cannot step: use --optimizer sgd (it steps them without "
+            f"momentum or weight decay), {dense}"
+        )
+    if lars_wrap:
+        raise UserError(f"{what}, which --lars-wrap cannot scale (LARS takes dense ones): drop --lars-wrap, {dense}")
+    if strategy == "fsdp":
+        raise UserError(f"{what}, which FSDP cannot shard or reduce-scatter: use --strategy ddp, {dense}")
+    if traced:
+        raise UserError(
+            f"{what}, which a --batch-trace run cannot reduce (it sums all gradients as one dense buffer): drop "
+            f"--batch-trace, {dense}"
+        )
+    if nccl:
+        raise UserError(
+            f"{what}, which DDP reduces on gloo only (nccl has no sparse all-reduce): pass --backend gloo, {dense}"
+        )
+
+
 def _call(method, first, second, problem: str, fix: str):
     """A task method on a batch; an exception becomes one line: the problem, torch's reason, the fix."""
     try:

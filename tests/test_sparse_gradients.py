@@ -1,0 +1,225 @@
+"""Sparse embedding gradients (nn.Embedding(sparse=True)), on the recommender example (examples/recommender.py): the
+start-up check finds them with one backward; SGD steps them in a group of their own (no momentum, no weight decay)
+with every trick that can take them, on DDP over gloo too, and gives the dense run's weights; every setting that
+cannot take them is one line at start (it was a traceback at the first step)."""
+
+import csv
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multiproc import REPO, torchrun
+from torch import nn
+
+import run
+from customized_function import same_seeds
+from ddp_tricks import cli as config
+from ddp_tricks.training import seam
+
+TASK = ["--task", "examples/recommender.py:Ratings"]
+TABLES = ["user.weight", "item.weight", "user_bias.weight", "item_bias.weight"]
+SAID = "sparse gradients in user.weight, item.weight, user_bias.weight, item_bias.weight: plain SGD steps them"
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "last.pt", weights_only=True)["model"]
+
+
+def last_row(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))[-1]
+
+
+def test_one_backward_names_the_parameters_with_sparse_gradients_and_clears_every_gradient():
+    class Mixed(nn.Module):  # a table, a functional lookup with sparse=True, and dense layers
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(10, 3, sparse=True)
+            self.dense_table = nn.Embedding(10, 3)
+            self.free = nn.Parameter(torch.randn(10, 3))
+            self.head = nn.Linear(3, 1)
+
+        def forward(self, ids):
+            x = self.table(ids) + self.dense_table(ids) + F.embedding(ids, self.free, sparse=True)
+            return self.head(x).squeeze(-1)
+
+    class Task:
+        def loss(self, outputs, targets):
+            return F.mse_loss(outputs, targets)
+
+    from ddp_tricks import InMemoryDataset
+
+    model = Mixed().train()
+    data = InMemoryDataset(torch.arange(8) % 10, torch.randn(8))
+    assert seam.sparse_parameters(Task(), model, data) == ["free", "table.weight"]  # named_parameters order
+    assert all(p.grad is None for p in model.parameters()) and model.training
+
+
+def test_sgd_steps_sparse_parameters_in_their_own_group_without_momentum_or_weight_decay():
+    # Two steps, against the update written out here: the table's rows by -lr * grad alone, the dense weight by
+    # SGD with momentum and weight decay (v = m v + g + wd w, w -= lr v).
+    from ddp_tricks.optim import build as optimizers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 2, sparse=True), nn.Linear(2, 1, bias=False))
+    table, dense = (p.detach().clone() for p in model.parameters())
+    optimizer = optimizers.build(model, "sgd", lr=0.5, momentum=0.9, weight_decay=0.1, sparse=["0.weight"])
+    velocity = torch.zeros_like(dense)  # torch's first step sets v = g + wd w: the same as from v = 0
+    for ids in (torch.tensor([0, 1, 1]), torch.tensor([1, 4])):
+        model(ids).sum().backward()
+        grads = [p.grad.to_dense() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        table -= 0.5 * grads[0]
+        velocity = 0.9 * velocity + grads[1] + 0.1 * dense
+        dense -= 0.5 * velocity
+        assert torch.allclose(model[0].weight, table, atol=1e-7) and torch.allclose(model[1].weight, dense, atol=1e-7)
+    assert (
+        optimizer.param_groups[-1]["params"] == [model[0].weight]
+        and "momentum_buffer" not in optimizer.state[model[0].weight]
+    )
+
+
+def test_sparse_sgd_in_the_template_equals_sgd_written_out_with_the_tables_apart(tmp_path, capsys):
+    # The template's defaults (momentum 0.9, weight decay 5e-4), accumulation 2, one process: each step, the mean
+    # loss over the step's samples (the plan's), one SGD step with the tables in a plain group, written here.
+    argv = [*TASK, "--sparse", "-b", "32", "--accum-steps", "2", "-l", "0.5", "-e", "1", "--no-progress"]
+    assert run.main([*argv, "-n", "r", "--runs-dir", str(tmp_path)]) == 0
+    assert SAID in capsys.readouterr().out
+
+    flags, task_class = config.parse([*TASK, "-b", "32", "--accum-steps", "2", "-l", "0.5", "-e", "1"])
+    task = task_class(flags)  # dense tables: the reference owes nothing to sparse gradients
+    same_seeds(flags.seed)  # as run.py: seeds, datasets, model
+    train, _ = task.datasets()
+    model = task.model()
+    tables = [getattr(model, name.split(".")[0]).weight for name in TABLES]
+    rest = [p for p in model.parameters() if all(p is not t for t in tables)]
+    reference = torch.optim.SGD(
+        [{"params": rest}, {"params": tables, "momentum": 0.0, "weight_decay": 0.0}],
+        lr=0.5,
+        momentum=0.9,
+        weight_decay=5e-4,
+    )
+    for step in run.make_plan(flags, len(train), 1).epoch(1, 0):
+        index = torch.tensor([i for micro in step.micro_batches for i in micro])
+        F.mse_loss(model(train.inputs[index]), train.targets[index]).backward()
+        reference.step()
+        reference.zero_grad()
+    trained = weights(tmp_path / "r")
+    for name, value in model.state_dict().items():
+        assert (trained[name] - value).abs().max().item() <= 1e-5, name
+
+
+def weights_at_start(name):
+    flags, task_class = config.parse(TASK)
+    task = task_class(flags)
+    same_seeds(flags.seed)
+    task.datasets()
+    return task.model().state_dict()[name]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_with_sparse_tables_give_the_dense_run_s_weights(tmp_path):
+    # DDP on gloo reduces the sparse gradients; accumulation (no_sync) and clipping take them as they are.
+    flags = [*TASK, "--momentum", "0", "--wd", "0", "-l", "0.5", "--accum-steps", "2", "--clip-grad-norm", "0.5",
+             "-b", "16", "-e", "1", "--no-progress", "--runs-dir", str(tmp_path)]  # fmt: skip
+    sparse = torchrun([*flags, "--sparse", "-n", "sparse"])
+    dense = torchrun([*flags, "-n", "dense"])
+    assert sparse.returncode == 0 and dense.returncode == 0, sparse.stderr[-3000:] + dense.stderr[-3000:]
+    assert SAID in sparse.stdout and "sparse gradients" not in dense.stdout
+    a, b = weights(tmp_path / "sparse"), weights(tmp_path / "dense")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max().item() <= 1e-5 for k in a)
+    assert any((a[k] - weights_at_start(k)).abs().max().item() > 1e-3 for k in TABLES)  # the tables did train
+    assert float(last_row(tmp_path / "sparse")["val_rmse"]) == pytest.approx(
+        float(last_row(tmp_path / "dense")["val_rmse"]), rel=1e-5
+    )
+
+
+SUPPORTED = {  # each with the default momentum 0.9 and weight decay 5e-4 for the dense weights
+    "clip accum lookahead bn-bias-separately bf16 skip": [
+        "--clip-grad-norm",
+        "1",
+        "--accum-steps",
+        "2",
+        "--lookahead",
+        "--bn-bias-separately",
+        "--amp",
+        "bf16",
+        "--on-nonfinite",
+        "skip",
+    ],  # fmt: skip
+    "fp16 nesterov cosine warmup": ["--amp", "fp16", "--nesterov", "--scheduler", "cosine", "--warmup-epochs", "0.5"],
+}
+
+
+@pytest.mark.parametrize("extra", SUPPORTED.values(), ids=SUPPORTED.keys())
+def test_every_trick_that_can_take_sparse_gradients_trains_with_them(extra, tmp_path, capsys):
+    assert run.main([*TASK, "--sparse", "-l", "1", "-b", "64", "-e", "1", "--no-progress", "-n", "r", "--runs-dir",
+                     str(tmp_path), *extra]) == 0  # fmt: skip
+    assert SAID in capsys.readouterr().out
+    rmse = float(last_row(tmp_path / "r")["val_rmse"])
+    assert math.isfinite(rmse) and rmse < 1.15  # below the ratings' spread (1.167): it learned
+
+
+WHAT = "error: the model's user.weight, item.weight, user_bias.weight, item_bias.weight get sparse gradients (an "
+DENSE = "or make the tables dense (sparse=False)"
+REFUSED = {
+    **{
+        f"--optimizer {name}": (
+            ["--optimizer", name],
+            f"which --optimizer {name} cannot step: use --optimizer sgd (it steps them without momentum or weight "
+            f"decay), {DENSE}",
+        )
+        for name in ("adam", "adamw", "lars", "lamb")
+    },
+    "--lars-wrap": (
+        ["--lars-wrap"],
+        f"which --lars-wrap cannot scale (LARS takes dense ones): drop --lars-wrap, {DENSE}",
+    ),
+    "--strategy fsdp": (
+        ["--strategy", "fsdp"],
+        f"which FSDP cannot shard or reduce-scatter: use --strategy ddp, {DENSE}",
+    ),
+    "--batch-trace": (
+        ["--batch-trace", str(REPO / "examples" / "traces" / "doubling.csv"), "--trace-end", "repeat-last"],
+        f"which a --batch-trace run cannot reduce (it sums all gradients as one dense buffer): drop --batch-trace, "
+        f"{DENSE}",
+    ),
+}
+
+
+@pytest.mark.parametrize("argv, message", REFUSED.values(), ids=REFUSED.keys())
+def test_a_setting_that_cannot_take_sparse_gradients_is_one_line_at_start(argv, message, tmp_path, capsys):
+    assert run.main([*TASK, "--sparse", "-e", "1", "--no-progress", "--runs-dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"{WHAT}nn.Embedding(sparse=True)), {message}"]
+    assert not any(tmp_path.iterdir())
+
+
+def test_sparse_gradients_under_nccl_are_one_line_naming_gloo(monkeypatch, tmp_path, capsys):
+    # Rank 0 of 2 on a GPU machine (faked): DDP reduces sparse gradients on gloo only.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert run.main([*TASK, "--sparse", "-e", "1", "--no-progress", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"{WHAT}nn.Embedding(sparse=True)), which DDP reduces on gloo only (nccl has no sparse all-reduce): pass "
+        f"--backend gloo, {DENSE}"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_refused_setting_under_torchrun_exits_2_without_a_traceback(tmp_path):
+    result = torchrun([*TASK, "--sparse", "--optimizer", "adamw", "-e", "1", "--no-progress", "--runs-dir",
+                       str(tmp_path)])  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert errors == [f"{WHAT}nn.Embedding(sparse=True)), {REFUSED['--optimizer adamw'][1]}"], result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr
+    assert f'File "{REPO / "run.py"}"' not in result.stderr  # torchrun's own report only, no trace of ours
+    assert not any(tmp_path.iterdir())
