@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         first = watchdog.fail(2)  # the other ranks learn it at once: none waits in a collective for this one
         error = cli.blame(error)  # a value from --config FILE: the message names the file and the key
-        if process.rank == 0 or error.rank_specific and first:  # the same check fails on every rank: say it once
+        # with a process group, the job's first failure says it (on whichever rank); before one, every rank fails
+        # the same check: rank 0 says it, unless only this rank is concerned
+        if first if watchdog.active() else process.rank == 0 or error.rank_specific:
             report(str(error) if process.rank == 0 else f"on rank {process.rank}: {error}")
         return watchdog.leave(2)
     except BaseException:  # a bug: the first rank that fails shows its traceback, the others end quietly
@@ -109,7 +111,14 @@ def run(flags, task, process: launch.Launch) -> int:
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
     run_folder.check(Path(flags.run_dir), resume=continues, overwrite=flags.overwrite)
 
-    dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, group=flags.strategy == "fsdp")
+    dist = launch.setup(
+        process,
+        flags.device,
+        flags.backend,
+        flags.dist_timeout,
+        group=flags.strategy == "fsdp",
+        sigterm_grace=flags.sigterm_grace,
+    )
     t = build_training(flags, task, model, sum_names, plan, dist, units, sparse)
     t.global_loss, t.accumulation = global_loss, accumulation
     if state is not None:

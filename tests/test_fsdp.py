@@ -237,7 +237,7 @@ def _reshard(rank, world_size, source, target):
     sum_names = seam.check_task(task, model, train_set)
     dist_info = Dist(rank, world_size, rank, CPU, "gloo")
     t = run.build_training(flags, task, model, sum_names, run.make_plan(flags, len(train_set), world_size), dist_info,
-                           fsdp.shard_units(task, model))  # fmt: skip
+                           fsdp.shard_units(task, model), sparse=[])  # fmt: skip
     t.load_state_dict(checkpoint.load(source, "fsdp"), str(source))
     target.mkdir(exist_ok=True)
     checkpoint.Checkpoints(target, rank == 0, 0, None, vars(flags), "fsdp").save(t)

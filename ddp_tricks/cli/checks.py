@@ -114,6 +114,8 @@ def _check_values(cfg: argparse.Namespace) -> None:
         raise UserError(f"--lr-power must be > 0, got {cfg.lr_power}")
     if not cfg.dist_timeout > 0:
         raise UserError(f"--dist-timeout must be > 0 seconds, got {cfg.dist_timeout}")
+    if not cfg.sigterm_grace > 0:
+        raise UserError(f"--sigterm-grace must be > 0 seconds, got {cfg.sigterm_grace}")
     if not cfg.bucket_cap_mb > 0:
         raise UserError(f"--bucket-cap-mb must be > 0, got {cfg.bucket_cap_mb}")
     if not cfg.early_stop_delta >= 0:

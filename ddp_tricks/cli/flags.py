@@ -215,6 +215,13 @@ def _launch_flags(g: argparse._ArgumentGroup) -> None:
         default=600.0,
         help="seconds a collective may wait before the run fails instead of hanging (default: 600)",
     )
+    g.add_argument(
+        "--sigterm-grace",
+        type=float,
+        default=25.0,
+        help="after SIGTERM, seconds a rank stuck in one call (a collective whose peer is gone) is given before it "
+        "exits 143; torchrun, SLURM and Kubernetes kill 30 s after their SIGTERM (default: 25)",
+    )
 
 
 def _data_loading_flags(g: argparse._ArgumentGroup) -> None:

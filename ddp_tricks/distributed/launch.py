@@ -93,7 +93,12 @@ def device_type(device_flag: str) -> str:
 
 
 def setup(
-    launch: Launch, device_flag: str = "auto", backend_flag: str = "auto", timeout_s: float = 600, group: bool = False
+    launch: Launch,
+    device_flag: str = "auto",
+    backend_flag: str = "auto",
+    timeout_s: float = 600,
+    group: bool = False,
+    sigterm_grace: float = watchdog.SIGNAL_GRACE,
 ) -> Dist:
     """Pick the device, and join the process group when launched by torchrun or the legacy launcher. `group`: a
     single process gets a process group of its own too (FSDP shards over a mesh, even a mesh of one)."""
@@ -123,7 +128,8 @@ def setup(
         device_id=device if backend == "nccl" else None,
     )
     control_group = dist.new_group(backend="gloo")  # its own queue: agreement never waits behind DDP's traffic
-    watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank())  # a failing rank ends the job in seconds
+    # a failing rank ends the job in seconds; after SIGTERM, a rank stuck in one call ends after `sigterm_grace`
+    watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank(), sigterm_grace)
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
 
 

@@ -14,7 +14,9 @@ only between bytecodes, and a main thread inside a gloo or NCCL wait runs none. 
   thread is stuck.
 - The same thread is woken by SIGTERM (or SIGINT) through `signal.set_wakeup_fd`, which the interpreter writes
   from its C-level handler even while the main thread is stuck. If the main thread then makes no progress for
-  `SIGNAL_GRACE` seconds (the same frame at the same instruction: one C call that does not return, a collective),
+  `grace` seconds (--sigterm-grace, 25 by default: launchers SIGKILL 30 s after their SIGTERM) (the same frame at
+  the same instruction: one C call that does not return, a collective; also a long C call that is busy, such as a
+  big torch.save, which is why the grace is long),
   the process ends with 143 (130 for SIGINT). A SIGTERM between steps finds the main thread moving: preemption
   then agrees on a step and writes the checkpoint exactly as before.
 
@@ -36,7 +38,7 @@ from datetime import timedelta
 POLL = 0.5  # seconds between the thread's looks at the signal socket
 STORE_EVERY = 2  # looks per store lookup: the store is asked once a second
 PEER_GRACE = 2.0  # seconds a rank that sees a peer's failure leaves its main thread to end by itself
-SIGNAL_GRACE = 10.0  # seconds without progress after SIGTERM before a stuck process is ended
+SIGNAL_GRACE = 25.0  # seconds without progress after SIGTERM before a stuck process is ended (--sigterm-grace)
 COUNT, CODE = "failures", "first_failure_code"  # keys in the job's store, under the attempt's prefix
 
 _ending = False  # this process is leaving on its own (its main thread is in its failure path)
@@ -44,8 +46,9 @@ _watch: _Watch | None = None
 
 
 class _Watch:
-    def __init__(self, store, rank: int):
+    def __init__(self, store, rank: int, grace: float = SIGNAL_GRACE):
         self.store = store
+        self.grace = grace
         self.rank = rank
         self.stopped = threading.Event()
         self.reader, self.writer = socket.socketpair()
@@ -80,7 +83,7 @@ class _Watch:
             elif signalled is not None:
                 if _position(self.main) != position:
                     signalled = None  # the main thread moves: its own handler and the loop take it from here
-                elif now - signalled[0] >= SIGNAL_GRACE and not _ending:
+                elif now - signalled[0] >= self.grace and not _ending:
                     _exit(130 if signal.SIGINT in signalled[1] else 143)
             looks += 1
             if self.store is not None and looks % STORE_EVERY == 0:
@@ -119,13 +122,13 @@ def _exit(code: int) -> None:
     os._exit(code)  # no teardown, no atexit: a teardown would wait for the collectives in flight
 
 
-def start(store, rank: int) -> None:
+def start(store, rank: int, grace: float = SIGNAL_GRACE) -> None:
     """Watch this rank: the job's store (`store`, this attempt's prefix) for a peer's failure, and SIGTERM for a
     stuck main thread. Call from the main thread once the process group exists."""
     global _watch, _ending
     stop()
     _ending = False
-    _watch = _Watch(store, rank)
+    _watch = _Watch(store, rank, grace)
 
 
 def stop() -> None:

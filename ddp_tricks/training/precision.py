@@ -63,10 +63,16 @@ class Precision:
         if self.scaler is not None:
             # GradScaler reads its inf flag (one sync) to decide whether to call optimizer.step(); the counter
             # learns that decision from the step itself, so the scale is never read back (each read a sync)
-            steps_before = self._steps.count_on(optimizer)
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            took_step = self._steps.count > steps_before
+            if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: steps always, skips in its kernel
+                scale_before = self.scaler.get_scale()
+                self.scaler.step(optimizer)
+                self.scaler.update()
+                took_step = self.scaler.get_scale() >= scale_before  # two more syncs, for such optimizers only
+            else:
+                steps_before = self._steps.count_on(optimizer)
+                self.scaler.step(optimizer)
+                self.scaler.update()
+                took_step = self._steps.count > steps_before
         else:
             optimizer.step()
         if lr_factor != 1.0:
