@@ -98,14 +98,15 @@ def run(flags, task, process: launch.Launch) -> int:
         seam.check_unused_parameters(task, model, train_set, collate)  # one that gets none: said here, not a hang
     sparse = seam.sparse_parameters(task, model, train_set, collate)  # one backward: which get sparse gradients
     units = fsdp.shard_units(task, model) if flags.strategy == "fsdp" else []  # what is sharded as one
-    plan = make_plan(flags, len(train_set), process.world_size)
+    resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
+    state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
+    # the run's global batch: a resumed run keeps its own at any world size, the layout adapting
+    plan = make_plan(flags, len(train_set), process.world_size, run_batch=planning.recorded(state))
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     seam.check_sparse(sparse, flags.optimizer, flags.lars_wrap, flags.strategy, plan.traced, nccl)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
     global_loss = seam.check_global_loss(task, model, train_set, collate, traced=plan.traced)  # gathers from ranks
-    accumulation = cached.choose(task, flags.accum_steps, plan.traced, flags.amp_backend == "apex")  # None: plain
-    resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
-    state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
+    accumulation = cached.choose(task, plan.accum_steps, plan.traced, flags.amp_backend == "apex")  # None: plain
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
@@ -119,8 +120,7 @@ def run(flags, task, process: launch.Launch) -> int:
         group=flags.strategy == "fsdp",
         sigterm_grace=flags.sigterm_grace,
     )
-    t = build_training(flags, task, model, sum_names, plan, dist, units, sparse)
-    t.global_loss, t.accumulation = global_loss, accumulation
+    t = build_training(flags, task, model, sum_names, plan, dist, units, sparse, global_loss, accumulation)
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     collectives.require_same(
@@ -143,7 +143,9 @@ def run(flags, task, process: launch.Launch) -> int:
         cli.describe_lr(flags, plan.lr),
         plan.steps_per_epoch,
     )
-    if global_loss and flags.accum_steps > 1 and accumulation is None:
+    if plan.relayout:
+        log.info("resumed at another layout: %s", plan.relayout)
+    if global_loss and plan.accum_steps > 1 and accumulation is None:
         log.info("the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation")
     if flags.deterministic:
         log.info(
@@ -181,7 +183,9 @@ def run(flags, task, process: launch.Launch) -> int:
 def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, folder, preemption) -> int:
     """Epochs of train -> evaluate -> decide -> checkpoint -> log, from where the state stands."""
     every = flags.checkpoint_every_steps
-    checkpoints = checkpoint.Checkpoints(folder.path, t.rank == 0, every, preemption, vars(flags), flags.strategy)
+    checkpoints = checkpoint.Checkpoints(
+        folder.path, t.rank == 0, every, preemption, vars(flags), flags.strategy, plan.summary()
+    )
     for epoch in range(t.completed_epochs + 1, flags.epochs + 1):
         steps = plan.epoch(epoch, t.rank, first_trace_step=t.global_step - t.step_in_epoch)
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
@@ -203,6 +207,7 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
             return PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
         row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | loop.evaluate(t, val_loader)
+        row |= {"world_size": t.world_size, "accum_steps": plan.accum_steps}  # the layout that ended the epoch
         improved = t.end_epoch(row)  # plateau, best and early stopping, on the monitored metric
         folder.append(row)
         checkpoints.save(t, also_best=improved)
@@ -230,8 +235,9 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
     return 0
 
 
-def make_plan(flags, num_train: int, world_size: int) -> planning.Plan:
-    """Every number derived from the flags, the world and the data, once."""
+def make_plan(flags, num_train: int, world_size: int, run_batch: tuple[int, int] | None = None) -> planning.Plan:
+    """Every number derived from the flags, the world and the data, once (`run_batch`: a resumed run's global batch
+    and micro-batch, kept)."""
     return planning.make(
         num_train=num_train,
         world_size=world_size,
@@ -251,12 +257,25 @@ def make_plan(flags, num_train: int, world_size: int) -> planning.Plan:
         lr_power=flags.lr_power,
         step_epochs=flags.step_epochs,
         drop_last=flags.drop_last,
+        run_batch=run_batch,
     )
 
 
-def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: launch.Dist, units, sparse) -> Training:
+def build_training(
+    flags,
+    task,
+    model,
+    sum_names,
+    plan: planning.Plan,
+    dist: launch.Dist,
+    units,
+    sparse,
+    global_loss=False,
+    accumulation=None,
+) -> Training:
     """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer (the parameters named in `sparse`
-    get sparse gradients), the schedule, precision, best and early stopping."""
+    get sparse gradients), the schedule, precision, best and early stopping; the task's loss gathers from every rank
+    (`global_loss`), and a step's micro-batches make its gradient by `accumulation` (None: plain)."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
     memory_format = torch.channels_last if flags.channels_last else torch.preserve_format
@@ -315,6 +334,8 @@ def build_training(flags, task, model, sum_names, plan: planning.Plan, dist: lau
         reduction=batch_trace.TraceReduction(params, plan.micro_batch, adascale) if plan.traced else None,
         best=Best(flags.monitor, mode),
         early_stopping=early_stopping,
+        accumulation=accumulation,
+        global_loss=global_loss,
         rank=dist.rank,
         world_size=dist.world_size,
     )

@@ -1,6 +1,11 @@
 """Numbers derived once from the flags, the world and the data: the global batch, the learning rate, steps per
 epoch and warmup steps, and each epoch's per-step plan (this rank's samples in every micro-batch, what their
 loss is divided by, the step's global batch and LR factor), for plain, accumulated and traced runs alike.
+
+The plan does not depend on the world size beyond how the ranks split each step: a step is a fixed set of
+micro-batches ("slots", global batch / micro-batch of them), each the same samples at any world size, and rank r
+runs slots r, r + world, r + 2 world, ... So a run resumed at another world size (`layout`) takes the same samples
+in the same steps, grouped into the same micro-batches (BatchNorm sees what it saw).
 """
 
 from __future__ import annotations
@@ -45,7 +50,14 @@ class Plan:
     repeat_last: bool = False
     lr_power: float = 1.0  # poly decay's power: --lr-power, else 2 with LARS and 1 otherwise
     step_size: int = 1  # step decay: optimizer steps between decays (--step-epochs in steps)
-    drop_last: bool = False  # training leaves out the samples that do not fill a micro-batch on every rank
+    drop_last: bool = False  # training leaves out the samples that do not fill every slot's last micro-batch
+    relayout: str = ""  # how a resumed run keeps its global batch at this world size, when the layout changed
+
+    @property
+    def slots(self) -> int:
+        """The micro-batches of one step over all ranks (an untraced run): each one the same samples at any world
+        size."""
+        return self.global_batch // self.micro_batch
 
     @property
     def traced(self) -> bool:
@@ -62,16 +74,15 @@ class Plan:
         """The fewest samples a rank's micro-batch holds in any step (an epoch's last, without --drop-last)."""
         if self.traced or self.drop_last:
             return self.micro_batch  # a trace's batches are whole multiples of the micro-batch
-        return math.ceil(self.num_train / self.world_size) % self.micro_batch or self.micro_batch
+        return math.ceil(self.num_train / self.slots) % self.micro_batch or self.micro_batch
 
     def why_small(self) -> str:
         """Where the smallest micro-batch comes from, for a message."""
         if self.smallest_micro_batch == self.micro_batch:
             return f"--batch-size {self.micro_batch} gives micro-batches of {self.micro_batch} sample(s)"
         return (
-            f"with {self.num_train} training samples over {self.world_size} process(es) and --batch-size "
-            f"{self.micro_batch}, the last micro-batch of every epoch holds {self.smallest_micro_batch} sample(s) "
-            "per rank"
+            f"with {self.num_train} training samples in steps of {self.slots} micro-batches of {self.micro_batch} "
+            f"(--batch-size), the last micro-batch of every epoch holds {self.smallest_micro_batch} sample(s)"
         )
 
     def describe(self) -> str:
@@ -79,13 +90,16 @@ class Plan:
             return (
                 f"global batch from the trace, {min(self.trace)}..{max(self.trace)} (LR given for {self.global_batch})"
             )
-        return f"global batch {self.global_batch}"
+        accumulation = f" x accumulation {self.accum_steps}" if self.accum_steps > 1 else ""
+        return f"global batch {self.global_batch} ({self.micro_batch} x {self.world_size} process(es){accumulation})"
 
     def summary(self) -> dict:
-        """The derived numbers, for config.json."""
+        """The derived numbers, for config.json and every checkpoint (`recorded` reads the global batch back)."""
         return {
             "world_size": self.world_size,
             "global_batch_size": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.accum_steps,
             "effective_lr": self.lr,
             "steps_per_epoch": self.steps_per_epoch,
             "total_steps": self.total_steps,
@@ -98,19 +112,26 @@ class Plan:
         """The steps of `epoch` on `rank`; a traced epoch starts at trace row `first_trace_step`."""
         if self.traced:
             return self._traced_epoch(epoch, rank, first_trace_step)
-        # DistributedSampler: a new shuffle each epoch (set_epoch), padded so that every rank takes as many steps.
+        # Slot k of every step is the k-th of `slots` DistributedSamplers (a new shuffle each epoch: set_epoch), cut
+        # into micro-batches; the samplers pad every slot to as many samples, so each rank takes as many steps
+        mine = [self._slot(epoch, k) for k in range(rank, self.slots, self.world_size)]
+        steps = []
+        for micro in zip(*mine):
+            group = [m.tolist() for m in micro]
+            samples = sum(map(len, group))  # the same on every rank: every slot's s-th micro-batch is as long
+            steps.append(Step(group, samples, samples * self.world_size))
+        return steps
+
+    def _slot(self, epoch: int, slot: int) -> tuple[torch.Tensor, ...]:
+        """The micro-batches of `slot`, one per step of `epoch`."""
         sampler = DistributedSampler(
-            range(self.num_train), self.world_size, rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
+            range(self.num_train), self.slots, slot, shuffle=True, seed=self.seed, drop_last=self.drop_last
         )
         sampler.set_epoch(epoch)
         micro = torch.tensor(list(sampler)).split(self.micro_batch)
         if self.drop_last and micro and len(micro[-1]) < self.micro_batch:
             micro = micro[:-1]
-        steps = []
-        for start in range(0, len(micro), self.accum_steps):
-            group = [m.tolist() for m in micro[start : start + self.accum_steps]]
-            steps.append(Step(group, sum(map(len, group)), sum(map(len, group)) * self.world_size))
-        return steps
+        return micro
 
     def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:
         """Trace step i takes the next B_i samples of the epoch's permutation, cut into micro-batches dealt
@@ -145,8 +166,23 @@ def make(
     lr_power: float | None = None,
     step_epochs: float = 1.0,
     drop_last: bool = False,
+    run_batch: tuple[int, int] | None = None,
 ) -> Plan:
-    """The plan for these numbers; an impossible combination is a UserError that names the fix."""
+    """The plan for these numbers; an impossible combination is a UserError that names the fix. `run_batch`: a
+    resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
+    --batch-size (then the micro-batch's ceiling) and --accum-steps give."""
+    relayout = ""
+    if trace is None and run_batch is not None:
+        flags_batch = micro_batch * world_size * accum_steps
+        run_global, run_micro = run_batch
+        micro_batch, accum_steps = layout(run_global, world_size, micro_batch, run_micro)
+        if flags_batch != run_global or micro_batch != run_micro:
+            relayout = f"the run's global batch {run_global} kept on {world_size} process(es)"
+            if flags_batch != run_global:
+                relayout += f" (the flags give {flags_batch})"
+            relayout += f": micro-batch {micro_batch} x accumulation {accum_steps}"
+            if micro_batch != run_micro:
+                relayout += f"; the run's micro-batch was {run_micro}: BatchNorm groups the samples differently"
     if trace is None:
         global_batch = micro_batch * world_size * accum_steps
         if global_batch > num_train:
@@ -155,11 +191,11 @@ def make(
                 f"--accum-steps {accum_steps}) exceeds the {num_train} training samples: lower --batch-size"
                 + (" or --accum-steps" if accum_steps > 1 else "")
             )
-        if drop_last:  # whole micro-batches of the samples that divide evenly over the ranks
-            micro_batches = num_train // world_size // micro_batch
-        else:  # DistributedSampler pads the ranks to the same count; the last micro-batch may be short
-            micro_batches = math.ceil(math.ceil(num_train / world_size) / micro_batch)
-        steps_per_epoch = math.ceil(micro_batches / accum_steps)
+        slots = world_size * accum_steps  # a step's micro-batches, each its own DistributedSampler's (Plan.epoch)
+        if drop_last:  # whole micro-batches of the samples that divide evenly over the slots
+            steps_per_epoch = num_train // slots // micro_batch
+        else:  # the samplers pad the slots to the same count; the last micro-batch may be short
+            steps_per_epoch = math.ceil(math.ceil(num_train / slots) / micro_batch)
         total_steps = epochs * steps_per_epoch
     else:
         batch_trace.check_trace(trace, micro_batch)
@@ -190,4 +226,33 @@ def make(
         lr_power=lr_power if lr_power is not None else (2.0 if optimizer == "lars" else 1.0),
         step_size=max(1, round(step_epochs * steps_per_epoch)),
         drop_last=drop_last and trace is None,
+        relayout=relayout,
     )
+
+
+def layout(global_batch: int, world_size: int, ceiling: int, prefer: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) with micro-batch x `world_size` x accumulation = `global_batch`: the run's
+    own micro-batch `prefer` where it fits under `ceiling` (--batch-size), else the largest one that does."""
+    fits = [m for m in range(min(ceiling, global_batch // world_size), 0, -1) if global_batch % (m * world_size) == 0]
+    if not fits:
+        sizes = [n for n in range(1, global_batch + 1) if global_batch % n == 0][:8]
+        raise UserError(
+            f"the run's global batch {global_batch} cannot be kept on {world_size} processes (micro-batch x "
+            f"{world_size} x accumulation never makes {global_batch}): launch a number of processes that divides it "
+            f"({', '.join(map(str, sizes))}{', ...' if global_batch > sizes[-1] else ''}), or start a new run"
+        )
+    micro = prefer if prefer in fits else fits[0]
+    return micro, global_batch // (micro * world_size)
+
+
+def recorded(state: dict | None) -> tuple[int, int] | None:
+    """A checkpoint's (global batch, micro-batch): what its plan recorded, else what the flags it was written
+    with made (a checkpoint from before the plan was kept); None for a traced run or without a checkpoint."""
+    config = (state or {}).get("config") or {}
+    if state is None or config.get("batch_trace"):
+        return None
+    if "plan" in state:
+        return state["plan"]["global_batch_size"], state["plan"]["micro_batch"]
+    if "batch_size" not in config or "world_size" not in state:
+        return None
+    return config["batch_size"] * state["world_size"] * config.get("accum_steps", 1), config["batch_size"]

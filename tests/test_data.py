@@ -91,9 +91,72 @@ def test_the_plan_covers_every_sample_once_per_epoch_in_micro_batches_and_steps(
                   lr_scaling="keep", base_batch=36, warmup_epochs=0)  # fmt: skip
     epochs = [[p.epoch(e, rank) for rank in range(3)] for e in (1, 2)]
     for ranks in epochs:
-        assert all(len(steps) == p.steps_per_epoch == 3 for steps in ranks)  # 35 per rank: 9 micro-batches
+        assert all(len(steps) == p.steps_per_epoch == 3 for steps in ranks)  # 9 slots of 12 samples: 3 micro-batches
         seen = [i for steps in ranks for step in steps for micro in step.micro_batches for i in micro]
-        assert set(seen) == set(range(103)) and len(seen) == 105  # 2 padded, as DistributedSampler does
+        assert set(seen) == set(range(103)) and len(seen) == 108  # 5 padded, as DistributedSampler does
         for steps in ranks:
-            assert [s.divisor for s in steps] == [12, 12, 11] and [len(s.micro_batches) for s in steps] == [3, 3, 3]
+            assert [s.divisor for s in steps] == [12, 12, 12] and [len(s.micro_batches) for s in steps] == [3, 3, 3]
     assert epochs[0][0][0].micro_batches != epochs[1][0][0].micro_batches  # a new order every epoch
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_step_has_the_same_micro_batches_at_every_world_size(drop_last):
+    from ddp_tricks import plan
+
+    def steps(world_size, accum_steps):
+        p = plan.make(num_train=103, world_size=world_size, micro_batch=4, accum_steps=accum_steps, epochs=1, seed=7,
+                      base_lr=0.1, lr_scaling="keep", base_batch=24, warmup_epochs=0, drop_last=drop_last)  # fmt: skip
+        ranks = [p.epoch(2, rank) for rank in range(world_size)]
+        assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) == p.steps_per_epoch
+        # each step as the set of its micro-batches (whichever rank runs them), and its global batch
+        return [
+            (sorted(tuple(m) for r in ranks for m in r[s].micro_batches), {r[s].batch for r in ranks})
+            for s in range(p.steps_per_epoch)
+        ]
+
+    one = steps(1, 6)
+    assert steps(2, 3) == steps(3, 2) == steps(6, 1) == one  # global batch 24 in micro-batches of 4
+    assert len(one) == (4 if drop_last else 5)
+
+
+def test_an_unaccumulated_rank_takes_what_distributed_sampler_gives_it():
+    from ddp_tricks import plan
+
+    p = plan.make(num_train=50, world_size=2, micro_batch=8, accum_steps=1, epochs=1, seed=3, base_lr=0.1,
+                  lr_scaling="keep", base_batch=16, warmup_epochs=0)  # fmt: skip
+    for rank in range(2):
+        sampler = DistributedSampler(range(50), 2, rank, shuffle=True, seed=3)
+        sampler.set_epoch(4)
+        expected = list(sampler)
+        assert [i for step in p.epoch(4, rank) for m in step.micro_batches for i in m] == expected
+
+
+def test_a_resumed_run_keeps_its_global_batch_at_another_world_size():
+    from ddp_tricks import plan
+
+    def resumed(world_size, batch_size=16):
+        return plan.make(num_train=500, world_size=world_size, micro_batch=batch_size, accum_steps=1, epochs=1,
+                         seed=0, base_lr=0.1, lr_scaling="keep", base_batch=96, warmup_epochs=0,
+                         run_batch=(96, 16))  # fmt: skip
+
+    assert [(p.micro_batch, p.accum_steps, p.global_batch) for p in map(resumed, (1, 2, 3, 6))] == [
+        (16, 6, 96), (16, 3, 96), (16, 2, 96), (16, 1, 96)]  # fmt: skip
+    assert "kept on 2 process(es) (the flags give 32): micro-batch 16 x accumulation 3" in resumed(2).relayout
+    four = resumed(4)  # 96 = 24 x 4: the micro-batch changes, and the plan says so
+    assert (four.micro_batch, four.accum_steps) == (12, 2) and "BatchNorm" in four.relayout
+    assert resumed(4, batch_size=8).micro_batch == 8  # --batch-size stays the ceiling
+    assert resumed(6).relayout == ""  # the layout it was written with
+    with pytest.raises(UserError) as error:
+        resumed(5)
+    assert str(error.value).startswith("the run's global batch 96 cannot be kept on 5 processes")
+    assert "1, 2, 3, 4, 6, 8, 12, 16, ..." in str(error.value)
+
+
+def test_the_global_batch_of_a_checkpoint_from_before_the_plan_was_recorded_comes_from_its_flags():
+    from ddp_tricks import plan
+
+    assert plan.recorded(None) is None
+    assert plan.recorded({"plan": {"global_batch_size": 96, "micro_batch": 16}}) == (96, 16)
+    old = {"config": {"batch_size": 8, "accum_steps": 3}, "world_size": 2}
+    assert plan.recorded(old) == (48, 8)
+    assert plan.recorded({"config": {"batch_size": 8, "batch_trace": "t.csv"}, "world_size": 2}) is None

@@ -119,8 +119,18 @@ class Checkpoints:
     every `every_steps` optimizer steps mid-epoch, and when every rank has agreed to stop after SIGTERM. Every
     rank calls; rank 0 writes a file, every rank its slices of a sharded checkpoint."""
 
-    def __init__(self, folder: Path, is_main: bool, every_steps: int, preemption, config: dict, strategy: str = "ddp"):
+    def __init__(
+        self,
+        folder: Path,
+        is_main: bool,
+        every_steps: int,
+        preemption,
+        config: dict,
+        strategy: str = "ddp",
+        plan: dict | None = None,
+    ):
         self.folder = Path(folder)
+        self.plan = plan or {}  # the run's global batch and layout: a resume at another world size keeps the batch
         self.is_main = is_main
         self.every_steps = every_steps
         self.preemption = preemption
@@ -132,6 +142,7 @@ class Checkpoints:
         weights over the last good ones. A sharded run's best.pt holds the whole model's weights only."""
         t.raise_if_nonfinite(check_weights=True)
         meta = {"config": self.config, "torch_version": str(torch.__version__), "strategy": self.strategy}
+        meta["plan"] = self.plan
         if self.strategy == "fsdp":
             sharded.save(t.state_dict() | meta, self.folder, self._name(t), self.is_main)
             if also_best:

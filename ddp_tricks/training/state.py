@@ -229,14 +229,18 @@ class Training:
         self.skipped_steps = state.get("skipped_steps", 0)
         self.completed_epochs = self.epoch = state["epoch"]
         self.step_in_epoch = state.get("step_in_epoch", 0)
-        if self.step_in_epoch and state.get("world_size") != self.world_size:
-            raise UserError(
-                f"checkpoint {source!r} was written mid-epoch by {state.get('world_size')} processes; "
-                f"resume it with that many (this run has {self.world_size})"
-            )
-        if self.step_in_epoch:
-            self.resume_sums = state["epoch_sums"][self.rank]
-            self.resume_rng = state["rng"][self.rank]
+        if self.step_in_epoch:  # the epoch's running sums, which add up over the ranks of any world size
+            self.resume_sums = resume_sums(state["epoch_sums"], self.rank, self.world_size)
+            saved_rng = state["rng"]  # another world size's ranks draw differently anyway (Plan: same samples)
+            self.resume_rng = saved_rng[self.rank] if len(saved_rng) == self.world_size else None
+
+
+def resume_sums(saved: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's share of a checkpoint's per-rank running sums (one row per rank that wrote it): its own row at the
+    same world size, else rank 0 continues from their total and the others from zero."""
+    if len(saved) == world_size:
+        return saved[rank]
+    return saved.sum(0) if rank == 0 else torch.zeros_like(saved[0])
 
 
 def rng_state() -> dict:
