@@ -91,17 +91,28 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | 
     return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def preempted(args: list[str], checkpoint: Path, timeout: float = 120) -> tuple[str, str]:
-    """`torchrun` run.py ARGS on 2 ranks, SIGTERM to the launcher (which forwards it to every worker) as soon as
-    `checkpoint` exists; the launcher's (stdout, stderr). Both waits are bounded."""
+def preempted(args: list[str], checkpoint: Path, timeout: float = 120, nproc: int = 2, ready=None) -> tuple[str, str]:
+    """`torchrun` run.py ARGS on `nproc` ranks, SIGTERM to the launcher (which forwards it to every worker) as soon
+    as `checkpoint` exists (or `ready()` is true); the launcher's (stdout, stderr). Both waits are bounded."""
     proc = subprocess.Popen(
-        _torchrun_command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _torchrun_command(args, nproc), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    ready = ready or checkpoint.exists
     deadline = time.time() + timeout
-    while not checkpoint.exists() and time.time() < deadline:
+    while not ready() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGTERM)
     return proc.communicate(timeout=timeout)
+
+
+def full_state(path: Path) -> dict:
+    """A checkpoint's whole state as tools/export.py reads it (a sharded one's slices joined)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export", REPO / "tools" / "export.py")
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    return export.full_state(path)
 
 
 def python_run(args: list[str], timeout: float = 240, cwd: Path | None = None):

@@ -7,8 +7,11 @@ Each is the built-in digits task with one change.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -101,3 +104,35 @@ class StuckOnRank1(Task):
                 open(os.environ["STUCK_FILE"], "w").close()
                 time.sleep(3600)
         return super().loss(outputs, targets)
+
+
+class Preempting:
+    """After $PREEMPT_AFTER training micro-batches (forwards with gradients, counted once the process group exists),
+    rank 0 sends SIGTERM to its launcher, as a cluster's scheduler would: the job then stops at an agreed step, its
+    checkpoint written, at a known place in the run. Without $PREEMPT_AFTER, the task as it is."""
+
+    micro_batches = 0
+
+    def loss(self, outputs, targets):
+        after = int(os.environ.get("PREEMPT_AFTER", "0"))
+        if after and torch.is_grad_enabled() and dist.is_initialized():
+            self.micro_batches += 1
+            if self.micro_batches == after and dist.get_rank() == 0:
+                os.kill(os.getppid(), signal.SIGTERM)
+        return super().loss(outputs, targets)
+
+
+class PreemptedDigits(Preempting, Task):
+    """The built-in task (a BatchNorm model), preempted on cue."""
+
+
+def _language_model():
+    spec = importlib.util.spec_from_file_location("language_model", Path(__file__).parent.parent / "examples" /
+                                                  "language_model.py")  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PythonSourceLM
+
+
+class PreemptedLM(Preempting, _language_model()):
+    """The language-model example (a loss over tokens, units()), preempted on cue."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from multiproc import REPO, _torchrun_command, preempted, run_ranks, torchrun
+from multiproc import REPO, _torchrun_command, full_state, preempted, run_ranks, torchrun
 from torch import nn
 
 import run
@@ -295,12 +295,7 @@ LM = ["--task", "examples/language_model.py:PythonSourceLM", "--tie-weights", "-
 
 
 def _exported(path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("export", REPO / "tools" / "export.py")
-    export = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(export)
-    return export.full_state(path)["model"]
+    return full_state(path)["model"]
 
 
 def _tied_lm(weights):

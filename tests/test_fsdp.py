@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import REPO, preempted, python_run, run_ranks, torchrun
+from multiproc import REPO, full_state, preempted, python_run, run_ranks, torchrun
 from torch import nn
 
 import run
@@ -245,12 +245,7 @@ def _reshard(rank, world_size, source, target):
 
 
 def _whole(path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("export", REPO / "tools" / "export.py")
-    export = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(export)
-    return export.full_state(path)
+    return full_state(path)
 
 
 @pytest.mark.xdist_group("fsdp-sharded-run")  # on one worker: the module's shared run is made once

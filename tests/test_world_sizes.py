@@ -1,0 +1,108 @@
+"""A run resumed at another world size, mid-epoch, keeps its global batch: the accumulation adapts, every step takes
+the same samples in the same micro-batches (plan.py), and the epoch's running sums carry over; the final weights
+equal the uninterrupted run's up to the order of floating-point sums. The built-in model has BatchNorm (its
+micro-batches keep their samples); the language model weights its loss by tokens (units()) and is sharded (FSDP).
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from multiproc import full_state, torchrun
+
+from ddp_tricks.storage import checkpoint
+
+# global batch 96 = 16 x 1 x 6 = 16 x 3 x 2 = 16 x 2 x 3: the micro-batch is kept at every world size below; 15 steps
+# an epoch (1437 samples in 6 slots of 240)
+TOY = ["--task", "tests/rank_tasks.py:PreemptedDigits", "-l", "0.01", "--batch-size", "16", "--accum-steps", "6",
+       "--epochs", "2", "--warmup-epochs", "0.5", "--no-progress", "--checkpoint-every-steps", "3",
+       "--log-interval", "5"]  # fmt: skip
+# global batch 48 = 8 x 1 x 6 = 8 x 3 x 2 = 8 x 2 x 3; 6 steps an epoch (270 sequences in 6 slots of 45)
+LM = ["--task", "tests/rank_tasks.py:PreemptedLM", "--max-sequences", "300", "--max-length", "24", "--width", "8",
+      "--depth", "1", "--heads", "2", "--optimizer", "lamb", "-l", "0.01", "--strategy", "fsdp", "--batch-size", "8",
+      "--accum-steps", "6", "--epochs", "3", "--no-progress", "--checkpoint-every-steps", "2",
+      "--log-interval", "2"]  # fmt: skip
+# SIGTERM after this many micro-batches: on 1 process in step 4 (it stops a step later, in epoch 1), then resumed on
+# 3 processes 4 steps later (in epoch 1 still; the built-in task) or in the next epoch (the language model)
+PREEMPT = {"ddp-batchnorm": (6 * 4, 2 * 4), "fsdp-tokens": (6 * 2, 2 * (6 - 2 + 2))}
+
+
+def rows(run_dir):
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def whole_state(path) -> dict:
+    """A checkpoint's state: last.pt as it is, a sharded last.dcp with its slices joined."""
+    return checkpoint.load(path) if path.is_file() else full_state(path)
+
+
+def parameters(run_dir, last: str) -> dict[str, torch.Tensor]:
+    """The trained parameters (BatchNorm's running statistics left out: each rank keeps its own)."""
+    state = whole_state(run_dir / last)["model"]
+    return {k: v for k, v in state.items() if v.is_floating_point() and "running_" not in k}
+
+
+def _stopped(args, nproc, after, run_dir, last, monkeypatch):
+    """The run on `nproc` ranks, SIGTERM to the launcher after `after` micro-batches: it stops mid-epoch, with its
+    checkpoint written (the workers exit 143; the launcher, signalled, 1). Its log."""
+    monkeypatch.setenv("PREEMPT_AFTER", str(after))
+    stopped = torchrun(args, nproc=nproc)
+    monkeypatch.delenv("PREEMPT_AFTER")
+    log = stopped.stdout + stopped.stderr
+    assert stopped.returncode != 0 and "preempted at epoch" in log, log[-3000:]
+    path = run_dir / last
+    assert checkpoint.load(path, "fsdp" if path.is_dir() else "ddp")["step_in_epoch"] > 0
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "flags, last",
+    [(TOY, "last.pt"), (LM, "last.dcp")],
+    ids=["ddp-batchnorm", "fsdp-tokens"],
+)
+def test_a_run_resumed_1_to_3_to_2_ranks_mid_epoch_equals_the_uninterrupted_one(tmp_path, flags, last, monkeypatch,
+                                                                                 request):  # fmt: skip
+    first, second = PREEMPT[request.node.callspec.id]
+    whole = torchrun([*flags, "-n", "whole", "--runs-dir", str(tmp_path)], nproc=1)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run_dir, args = tmp_path / "moved", [*flags, "-n", "moved", "--runs-dir", str(tmp_path)]
+    _stopped(args, 1, first, run_dir, last, monkeypatch)  # in epoch 1, on one process
+    resumed = [*args, "--resume", "auto"]
+    log = _stopped(resumed, 3, second, run_dir, last, monkeypatch)  # mid-epoch again, on 3
+    assert "resumed at another layout: the run's global batch" in log and "kept on 3 process(es)" in log
+    end = torchrun(resumed, nproc=2)  # to the end, on 2
+    assert end.returncode == 0, end.stderr[-3000:]
+    assert "kept on 2 process(es)" in end.stdout + end.stderr
+
+    a, b = rows(tmp_path / "whole"), rows(run_dir)
+    assert [r["step"] for r in a] == [r["step"] for r in b]  # the same optimizer steps
+    assert [r["global_batch"] for r in a] == [r["global_batch"] for r in b]
+    assert [(r["world_size"], r["accum_steps"]) for r in b][-2:] == [("2", "3"), ("2", "3")]
+    for x, y in zip(a, b):  # the epochs' running sums carried over the changes of world size
+        assert float(y["train_loss"]) == pytest.approx(float(x["train_loss"]), rel=1e-4)
+    expected, got = parameters(tmp_path / "whole", last), parameters(run_dir, last)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        scale = value.abs().max().clamp(min=1e-6)
+        assert ((got[name] - value).abs().max() / scale).item() <= 1e-4, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_world_size_that_cannot_keep_the_global_batch_is_one_line_and_leaves_the_checkpoint(tmp_path):
+    args = ["--batch-size", "5", "--epochs", "2", "--no-progress", "-n", "odd", "--runs-dir", str(tmp_path)]
+    first = torchrun([*args, "--epochs", "1"], nproc=1)  # global batch 5
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (tmp_path / "odd" / "last.pt").read_bytes()
+    again = torchrun([*args, "--resume", "auto"], nproc=2)
+    assert again.returncode != 0 and "failed (exitcode: 2)" in again.stderr  # the worker's code; torchrun's is 1
+    lines = [line for line in again.stderr.splitlines() if "global batch" in line]
+    assert len(lines) == 1 and "the run's global batch 5 cannot be kept on 2 processes" in lines[0], again.stderr
+    assert "launch a number of processes that divides it (1, 5)" in lines[0]
+    assert (tmp_path / "odd" / "last.pt").read_bytes() == before
+    assert checkpoint.load(tmp_path / "odd" / "last.pt")["epoch"] == 1
