@@ -239,7 +239,8 @@ def layout(global_batch: int, world_size: int, ceiling: int, prefer: int) -> tup
         raise UserError(
             f"the run's global batch {global_batch} cannot be kept on {world_size} processes (micro-batch x "
             f"{world_size} x accumulation never makes {global_batch}): launch a number of processes that divides it "
-            f"({', '.join(map(str, sizes))}{', ...' if global_batch > sizes[-1] else ''}), or start a new run (another -n)"
+            f"({', '.join(map(str, sizes))}{', ...' if global_batch > sizes[-1] else ''}), or start a new run "
+            "(another -n)"
         )
     micro = prefer if prefer in fits else fits[0]
     return micro, global_batch // (micro * world_size)
