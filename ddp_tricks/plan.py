@@ -2,15 +2,18 @@
 epoch and warmup steps, and each epoch's per-step plan (this rank's samples in every micro-batch, what their
 loss is divided by, the step's global batch and LR factor), for plain, accumulated and traced runs alike.
 
-The plan does not depend on the world size beyond how the ranks split each step: a step is a fixed set of
-micro-batches ("slots", global batch / micro-batch of them), each the same samples at any world size, and rank r
-runs slots r, r + world, r + 2 world, ... So a run resumed at another world size (`layout`) takes the same samples
-in the same steps, grouped into the same micro-batches (BatchNorm sees what it saw).
+The plan does not depend on the world size beyond how the ranks split each step: step s of an epoch takes the
+samples at positions s*G .. (s+1)*G - 1 of the epoch's permutation (G the global batch), cut into micro-batches
+("slots", G / micro-batch of them: slot k takes every (G / micro-batch)-th sample from position k, as the k-th of
+that many DistributedSamplers, unpadded), and rank r runs slots r, r + world, r + 2 world, ... So a run resumed at
+another world size (`layout`) takes the same samples in the same steps, grouped into the same micro-batches
+(BatchNorm sees what it saw); with another micro-batch (accumulation instead of a larger batch), the same samples
+in the same steps. The epoch's last step may be short (its micro-batches a sample apart in length); one that would
+leave a slot empty (fewer samples than slots) is left out, its samples next epoch's.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +29,8 @@ class Step:
     """One optimizer step as this rank sees it."""
 
     micro_batches: list[list[int]]  # this rank's sample indices, one list per micro-batch (none on an idle rank)
-    divisor: int  # each micro-batch's summed loss is divided by this: the samples the step's gradient averages
+    divisor: float  # a micro-batch's mean loss is weighted by its samples / this: the step's samples / world size
+    # under DDP (which averages the ranks' gradients), or the step's samples where the ranks' gradients are summed
     batch: int  # the step's global batch: samples over all ranks
     lr_factor: float = 1.0  # the step's LR is the schedule's x this (a trace's linear/root rule)
 
@@ -50,7 +54,7 @@ class Plan:
     repeat_last: bool = False
     lr_power: float = 1.0  # poly decay's power: --lr-power, else 2 with LARS and 1 otherwise
     step_size: int = 1  # step decay: optimizer steps between decays (--step-epochs in steps)
-    drop_last: bool = False  # training leaves out the samples that do not fill every slot's last micro-batch
+    drop_last: bool = False  # training leaves out the samples that do not fill a whole micro-batch of every slot
     relayout: str = ""  # how a resumed run keeps its global batch at this world size, when the layout changed
 
     @property
@@ -72,9 +76,10 @@ class Plan:
     @property
     def smallest_micro_batch(self) -> int:
         """The fewest samples a rank's micro-batch holds in any step (an epoch's last, without --drop-last)."""
-        if self.traced or self.drop_last:
+        last = self.num_train % self.global_batch  # the samples of an epoch's last, short step
+        if self.traced or self.drop_last or last < self.slots:  # none, or left out
             return self.micro_batch  # a trace's batches are whole multiples of the micro-batch
-        return math.ceil(self.num_train / self.slots) % self.micro_batch or self.micro_batch
+        return last // self.slots
 
     def why_small(self) -> str:
         """Where the smallest micro-batch comes from, for a message."""
@@ -112,26 +117,25 @@ class Plan:
         """The steps of `epoch` on `rank`; a traced epoch starts at trace row `first_trace_step`."""
         if self.traced:
             return self._traced_epoch(epoch, rank, first_trace_step)
-        # Slot k of every step is the k-th of `slots` DistributedSamplers (a new shuffle each epoch: set_epoch), cut
-        # into micro-batches; the samplers pad every slot to as many samples, so each rank takes as many steps
         mine = [self._slot(epoch, k) for k in range(rank, self.slots, self.world_size)]
         steps = []
-        for micro in zip(*mine):
-            group = [m.tolist() for m in micro]
-            samples = sum(map(len, group))  # the same on every rank: every slot's s-th micro-batch is as long
-            steps.append(Step(group, samples, samples * self.world_size))
+        for s in range(self.steps_per_epoch):
+            group = [slot[s].tolist() for slot in mine]
+            batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
+            steps.append(Step(group, batch / self.world_size, batch))
         return steps
 
     def _slot(self, epoch: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """The micro-batches of `slot`, one per step of `epoch`."""
+        """The micro-batches of `slot`, one per step of `epoch`: the k-th of `slots` DistributedSamplers (a new
+        shuffle each epoch: set_epoch), without the samples it pads with (every sample of the epoch once)."""
         sampler = DistributedSampler(
             range(self.num_train), self.slots, slot, shuffle=True, seed=self.seed, drop_last=self.drop_last
         )
         sampler.set_epoch(epoch)
-        micro = torch.tensor(list(sampler)).split(self.micro_batch)
-        if self.drop_last and micro and len(micro[-1]) < self.micro_batch:
-            micro = micro[:-1]
-        return micro
+        indices = list(sampler)
+        if not self.drop_last:
+            indices = indices[: len(range(slot, self.num_train, self.slots))]
+        return torch.tensor(indices).split(self.micro_batch)
 
     def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:
         """Trace step i takes the next B_i samples of the epoch's permutation, cut into micro-batches dealt
@@ -194,8 +198,8 @@ def make(
         slots = world_size * accum_steps  # a step's micro-batches, each its own DistributedSampler's (Plan.epoch)
         if drop_last:  # whole micro-batches of the samples that divide evenly over the slots
             steps_per_epoch = num_train // slots // micro_batch
-        else:  # the samplers pad the slots to the same count; the last micro-batch may be short
-            steps_per_epoch = math.ceil(math.ceil(num_train / slots) / micro_batch)
+        else:  # and a short last step, unless it would leave a slot empty
+            steps_per_epoch = num_train // global_batch + (num_train % global_batch >= slots)
         total_steps = epochs * steps_per_epoch
     else:
         batch_trace.check_trace(trace, micro_batch)

@@ -439,8 +439,8 @@ def test_one_sample_per_rank_with_batchnorm_is_refused_at_start_and_trains_with_
     refused = torchrun([*flags, "-n", "refused"])
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "exitcode  : 2" in refused.stderr, refused.stderr[-3000:]
-    assert ("with 130 training samples over 2 process(es) and --batch-size 8, the last micro-batch of every epoch "
-            "holds 1 sample(s) per rank" in errors[0] and "pass --drop-last" in errors[0])  # fmt: skip
+    assert ("with 130 training samples in steps of 2 micro-batches of 8 (--batch-size), the last micro-batch of every "
+            "epoch holds 1 sample(s)" in errors[0] and "pass --drop-last" in errors[0])  # fmt: skip
     assert not (tmp_path / "refused").exists()
     trained = torchrun([*flags, "-n", "dropped", "--drop-last"])
     assert trained.returncode == 0, trained.stderr[-3000:]
@@ -454,11 +454,11 @@ def test_drop_last_plans_whole_micro_batches_and_validation_keeps_every_sample()
 
     kept = plan.make(num_train=130, world_size=2, micro_batch=8, accum_steps=1, epochs=1, seed=0, base_lr=0.1,
                      lr_scaling="keep", base_batch=8, warmup_epochs=0, drop_last=True)  # fmt: skip
-    padded = plan.make(num_train=130, world_size=2, micro_batch=8, accum_steps=1, epochs=1, seed=0, base_lr=0.1,
+    short = plan.make(num_train=130, world_size=2, micro_batch=8, accum_steps=1, epochs=1, seed=0, base_lr=0.1,
                        lr_scaling="keep", base_batch=8, warmup_epochs=0)  # fmt: skip
     for rank in (0, 1):
         sizes = [len(m) for step in kept.epoch(1, rank) for m in step.micro_batches]
         assert sizes == [8] * 8 and kept.steps_per_epoch == 8  # 65 per rank: 8 whole micro-batches
-        assert [len(m) for step in padded.epoch(1, rank) for m in step.micro_batches] == [8] * 8 + [1]
+        assert [len(m) for step in short.epoch(1, rank) for m in step.micro_batches] == [8] * 8 + [1]
     used = {i for rank in (0, 1) for step in kept.epoch(1, rank) for m in step.micro_batches for i in m}
-    assert len(used) == 128 and kept.smallest_micro_batch == 8 and padded.smallest_micro_batch == 1
+    assert len(used) == 128 and kept.smallest_micro_batch == 8 and short.smallest_micro_batch == 1

@@ -91,11 +91,12 @@ def test_the_plan_covers_every_sample_once_per_epoch_in_micro_batches_and_steps(
                   lr_scaling="keep", base_batch=36, warmup_epochs=0)  # fmt: skip
     epochs = [[p.epoch(e, rank) for rank in range(3)] for e in (1, 2)]
     for ranks in epochs:
-        assert all(len(steps) == p.steps_per_epoch == 3 for steps in ranks)  # 9 slots of 12 samples: 3 micro-batches
+        assert all(len(steps) == p.steps_per_epoch == 3 for steps in ranks)  # 36, 36 and the last 31 samples
         seen = [i for steps in ranks for step in steps for micro in step.micro_batches for i in micro]
-        assert set(seen) == set(range(103)) and len(seen) == 108  # 5 padded, as DistributedSampler does
-        for steps in ranks:
-            assert [s.divisor for s in steps] == [12, 12, 12] and [len(s.micro_batches) for s in steps] == [3, 3, 3]
+        assert sorted(seen) == list(range(103))  # each sample once: no padding
+        for steps in ranks:  # DDP averages the ranks: each weighs its samples by the step's samples / 3
+            assert [s.divisor for s in steps] == [12, 12, 31 / 3] and [s.batch for s in steps] == [36, 36, 31]
+            assert [len(s.micro_batches) for s in steps] == [3, 3, 3]
     assert epochs[0][0][0].micro_batches != epochs[1][0][0].micro_batches  # a new order every epoch
 
 
@@ -119,6 +120,21 @@ def test_every_step_has_the_same_micro_batches_at_every_world_size(drop_last):
     assert len(one) == (4 if drop_last else 5)
 
 
+def test_a_step_takes_the_same_samples_whatever_its_micro_batch():
+    from ddp_tricks import plan
+
+    def step_sets(micro_batch, accum_steps):
+        p = plan.make(num_train=103, world_size=2, micro_batch=micro_batch, accum_steps=accum_steps, epochs=1,
+                      seed=7, base_lr=0.1, lr_scaling="keep", base_batch=24, warmup_epochs=0)  # fmt: skip
+        ranks = [p.epoch(3, rank) for rank in range(2)]
+        return [sorted(i for r in ranks for m in r[s].micro_batches for i in m) for s in range(p.steps_per_epoch)]
+
+    whole = step_sets(12, 1)
+    assert step_sets(6, 2) == step_sets(4, 3) == whole  # global batch 24
+    assert [len(s) for s in whole] == [24, 24, 24, 24, 7]  # the last step short: 7 samples in 2, 4 or 6 slots
+    assert step_sets(2, 6) == whole[:4]  # 7 samples cannot fill 12 slots: left out (the next epoch has them)
+
+
 def test_an_unaccumulated_rank_takes_what_distributed_sampler_gives_it():
     from ddp_tricks import plan
 
@@ -127,7 +143,7 @@ def test_an_unaccumulated_rank_takes_what_distributed_sampler_gives_it():
     for rank in range(2):
         sampler = DistributedSampler(range(50), 2, rank, shuffle=True, seed=3)
         sampler.set_epoch(4)
-        expected = list(sampler)
+        expected = list(sampler)  # 25 each: nothing padded
         assert [i for step in p.epoch(4, rank) for m in step.micro_batches for i in m] == expected
 
 

@@ -48,6 +48,8 @@ def test_torchrun_two_ranks_writes_a_complete_run_folder(twice):
         "val_acc",
         "lr",
         "global_batch",
+        "world_size",
+        "accum_steps",
         "epoch_seconds",
         "samples_per_second",
         "skipped_steps",

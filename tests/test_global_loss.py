@@ -286,10 +286,12 @@ def test_simclr_with_global_negatives_on_two_ranks_equals_one_process_after_10_l
 
 @pytest.mark.slow
 def test_cached_accumulation_equals_the_unaccumulated_global_batch_under_ddp_and_fsdp(two_ranks):
-    for got in two_ranks:  # 2 ranks x 2 micro-batches of 8 against 2 ranks x 16
-        assert _largest_difference(got["cached"][0], got["ddp"][0]) <= 1e-5
+    # 2 ranks x 2 micro-batches of 8 against 2 ranks x 16: the same samples in each step, gathered in another order
+    # (micro-batch slots, plan.py): the losses agree to 3e-8, the weights after 10 LARS steps (LR 10) to 1.2e-5
+    for got in two_ranks:
+        assert _largest_difference(got["cached"][0], got["ddp"][0]) <= 3e-5
         assert got["cached"][1] == pytest.approx(got["ddp"][1], rel=1e-6)
-        assert _largest_difference(got["fsdp cached"][0], got["ddp"][0]) <= 1e-5
+        assert _largest_difference(got["fsdp cached"][0], got["ddp"][0]) <= 3e-5
         # plain accumulation sees 16 candidates per loss, not 32: a different objective, visibly so
         assert _largest_difference(got["plain"][0], got["ddp"][0]) > 1e-3
 

@@ -79,9 +79,10 @@ def test_example_task_under_torchrun_exact_eval_accumulation_and_resume(example,
     for name, value in plain_metrics(example, tmp_path / "full").items():
         assert float(reported[name]) == pytest.approx(value, rel=1e-6, abs=1e-9), name
 
-    # 2. --accum-steps 2 gives the weights of twice the batch.
-    accumulated = torchrun([*flags, "-b", "8", "--accum-steps", "2", "-e", "1", "-n", "accum"])
-    single = torchrun([*flags, "-b", "16", "-e", "1", "-n", "single"])
+    # 2. --accum-steps 3 gives the weights of 3 times the batch (the global batch 48 leaves 18 and 45 samples for
+    # the last step: enough for its 6 micro-batches; fewer would leave it out, and not from the batch of 24)
+    accumulated = torchrun([*flags, "-b", "8", "--accum-steps", "3", "-e", "1", "-n", "accum"])
+    single = torchrun([*flags, "-b", "24", "-e", "1", "-n", "single"])
     assert accumulated.returncode == 0 and single.returncode == 0, accumulated.stderr[-2000:] + single.stderr[-2000:]
     a, b = weights(tmp_path / "accum"), weights(tmp_path / "single")
     assert all((a[k] - b[k]).abs().max().item() <= 1e-5 for k in a)

@@ -11,7 +11,6 @@ from torch import nn
 
 from ddp_tricks import plan
 from ddp_tricks.data import images as image_data
-from ddp_tricks.data.in_memory import InMemoryDataset
 from ddp_tricks.schedules.curves import WarmupDecay
 from ddp_tricks.schedules.schedule import Schedule
 from ddp_tricks.training.loop import optimizer_step, train_one_epoch
@@ -43,10 +42,8 @@ def test_fp16_overflow_skips_the_step_and_the_schedule():
 
 
 def _accumulate(rank, world_size, accum_steps, batch_size):
-    """One epoch of a model without batch statistics; returns the final weights. 1400 samples: no slot is padded
-    (1400 divides by 1, 2, 4 and 8 slots), and the last micro-batch of every slot is short."""
-    digits = image_data.digits()[0]
-    train_set = InMemoryDataset(digits.inputs[:1400], digits.targets[:1400])
+    """One epoch of a model without batch statistics; returns the final weights."""
+    train_set, _ = image_data.digits()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
@@ -67,9 +64,8 @@ def test_accumulating_4_batches_of_b_equals_one_batch_of_4b(world_size):
 
     accumulated = run_ranks(_accumulate, world_size, 4, 8)
     single = run_ranks(_accumulate, world_size, 1, 32)
-    # the last step is short (24 samples, 56 on 2 ranks) and weighted by its size; both take the same samples in
-    # every step (slots padded alike: none here; the padding follows the micro-batches of a step, see plan.py)
-    assert accumulated[0][1] == single[0][1] == -(-1400 // world_size // 32)
+    # the same samples in every step (plan.py); the last is short (29 samples) and weighted by its size
+    assert accumulated[0][1] == single[0][1] == -(-1437 // world_size // 32)
     for (weights_a, _), (weights_b, _) in zip(accumulated, single):
         for a, b in zip(weights_a, weights_b):
             assert (a - b).abs().max().item() <= 1e-5
@@ -137,7 +133,7 @@ def test_lr_scaling_is_printed_and_stored(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((tmp_path / "scaled" / "config.json").read_text())
     assert config["global_batch_size"] == 32 * 2 * 2 and config["effective_lr"] == pytest.approx(0.4)
-    assert "global batch 128, learning rate 0.4" in result.stdout
+    assert "global batch 128 (32 x 2 process(es) x accumulation 2), learning rate 0.4" in result.stdout
 
 
 @pytest.mark.slow
