@@ -74,11 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         if first if watchdog.active() else process.rank == 0 or error.rank_specific:
             report(str(error) if process.rank == 0 else f"on rank {process.rank}: {error}")
         return watchdog.leave(2)
-    except BaseException:  # a bug: the first rank that fails shows its traceback, the others end quietly
+    except BaseException as error:  # a bug: the first rank that fails shows its traceback, the others end quietly
         if not watchdog.active():
             raise
         if watchdog.fail(1):
-            traceback.print_exc()
+            gone = watchdog.lost_peer(error)  # not a bug here: another process died first, without a word
+            if gone:
+                report(
+                    f"on rank {process.rank}: another process of the job is gone (killed, or its node lost: {gone}); "
+                    "an elastic launcher (torchrun --max-restarts) restarts from the last checkpoint with --resume "
+                    "auto, or resume so by hand"
+                )
+            else:
+                traceback.print_exc()
         return watchdog.leave(1)
     finally:
         launch.cleanup()

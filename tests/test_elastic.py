@@ -216,6 +216,11 @@ def test_a_node_killed_mid_epoch_leaves_the_other_to_finish_the_run_with_its_glo
     run_dir, _ = lost_node
     finished = workers(run_dir)
     assert len(finished["pids"]) == 1 and finished["restart"] == "1"  # alone, after one restart
+    log = (run_dir.parent.parent / "a.log").read_text(errors="replace")  # the survivor's: a lost peer is not a bug
+    assert re.search(r"error: on rank \d: another process of the job is gone \(killed, or its node lost: ", log), log[
+        -3000:
+    ]
+    assert 'run.py", line' not in log  # no traceback of run.py's
     full, elastic = rows(uninterrupted), rows(run_dir)
     assert [r["epoch"] for r in elastic] == [r["epoch"] for r in full]  # metrics.csv continued, not duplicated
     assert [r["step"] for r in elastic] == [r["step"] for r in full]  # the same optimizer steps

@@ -322,3 +322,31 @@ def test_a_compiled_run_saves_plain_weights_that_resume(tmp_path):
     saved = torch.load(tmp_path / "c" / "last.pt", weights_only=True)["model"]
     assert not any(k.startswith("_orig_mod") for k in saved)
     assert run.main([*flags, "-e", "2", "--resume", "auto"]) == 0
+
+
+def test_resume_auto_without_a_run_name_is_one_line(capsys):
+    from ddp_tricks import UserError, cli
+
+    with pytest.raises(UserError) as error:
+        cli.parse(["--resume", "auto"])
+    assert str(error.value) == "--resume auto continues the run named by -n NAME: give -n (the run's folder name)"
+
+
+def test_a_run_on_several_nodes_without_a_name_is_named_alike_on_every_node(monkeypatch):
+    from ddp_tricks import cli
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert cli.default_name() == "run-job42"
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one node: the time it starts, as without torchrun
+    assert cli.default_name()[:2] == "20" and len(cli.default_name()) == len("20261125-120000")
+
+
+def test_a_collective_that_lost_its_peer_is_told_apart_from_a_bug():
+    from ddp_tricks.distributed import watchdog
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:5: Connection "
+                        "reset by peer\nmore")  # fmt: skip
+    assert watchdog.lost_peer(gloo).endswith("Connection reset by peer")
+    assert watchdog.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert watchdog.lost_peer(ValueError("Connection reset by peer")) is None  # not a collective's

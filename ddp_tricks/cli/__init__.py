@@ -72,9 +72,19 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
     if cfg.config_file is not None:
         cfg.config_file = str(Path(cfg.config_file).resolve())
     if cfg.name is None:
-        cfg.name = time.strftime("%Y%m%d-%H%M%S")
+        if cfg.resume == "auto":  # else every start (a launcher's restart too) would name a new run: none to continue
+            raise UserError("--resume auto continues the run named by -n NAME: give -n (the run's folder name)")
+        cfg.name = default_name()
     cfg.run_dir = str(Path(cfg.runs_dir) / cfg.name)
     return cfg, task_class
+
+
+def default_name() -> str:
+    """A run's name without -n: the time it starts; on several nodes of one torchrun job, the job's rendezvous id,
+    which every node knows alike (their clocks may not agree to the second)."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"run-{os.environ['TORCHELASTIC_RUN_ID']}"
+    return time.strftime("%Y%m%d-%H%M%S")
 
 
 def describe_lr(flags: argparse.Namespace, lr: float) -> str:

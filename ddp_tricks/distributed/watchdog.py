@@ -161,6 +161,17 @@ def fail(code: int) -> bool:
         return True
 
 
+# what a collective says when a peer process is gone (killed, its node lost): gloo's socket errors, NCCL's abort
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The first line of a collective's error that says another process of the job is gone, else None."""
+    if isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE):
+        return str(error).strip().splitlines()[0][:120]
+    return None
+
+
 def leave(code: int) -> int:
     """After `fail()`: end this process now with the job's exit code (the first failure's), without a teardown.
     Unwatched (one process, no group), the code is returned for the caller to exit with."""
@@ -173,7 +184,7 @@ def leave(code: int) -> int:
             code = int(watch.store.get(CODE))
         except Exception:
             pass
-    if watch.rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+    if watch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         time.sleep(STORE_EVERY * POLL + PEER_GRACE)  # rank 0 then hosts the store: the others must read it first
     for stream in (sys.stdout, sys.stderr):
         try:
