@@ -145,7 +145,7 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if plan.relayout:
         log.info("resumed at another layout: %s", plan.relayout)
-    why_not = noise_note(flags, plan, dist.world_size, accumulation)
+    why_not = noise_note(flags, plan, dist.world_size, accumulation, sparse)
     if why_not is None:
         log.info(noise.describe(dist.world_size, plan.micro_batch, plan.accum_steps, plan.global_batch))
     elif flags.noise_scale:
@@ -318,7 +318,7 @@ def build_training(
             find_unused_parameters=flags.find_unused_parameters,
         )
     params = [p for p in model.parameters() if p.requires_grad]
-    noise_scale, noise_parts = measured_noise(flags, plan, dist, model, params, accumulation)
+    noise_scale, noise_parts = measured_noise(flags, plan, dist, model, params, accumulation, sparse)
     if flags.compile:
         model = models.compiled(model)
     mode = cli.mode_of(task, flags.monitor)
@@ -349,18 +349,18 @@ def build_training(
     )
 
 
-def noise_note(flags, plan: planning.Plan, world_size: int, accumulation) -> str | None:
+def noise_note(flags, plan: planning.Plan, world_size: int, accumulation, sparse) -> str | None:
     """Why the run does not measure the gradient noise scale (None: it does)."""
     if not flags.noise_scale:
         return "--no-noise-scale"
     whole_steps = accumulation is not None or flags.amp_backend == "apex"
-    return noise.not_measured(world_size, plan.accum_steps, flags.strategy, plan.traced, whole_steps)
+    return noise.not_measured(world_size, plan.accum_steps, flags.strategy, plan.traced, whole_steps, bool(sparse))
 
 
-def measured_noise(flags, plan: planning.Plan, dist: launch.Dist, model, params, accumulation):
+def measured_noise(flags, plan: planning.Plan, dist: launch.Dist, model, params, accumulation, sparse):
     """The gradient noise scale's estimator and, in one process, its micro-batch reader; (None, None) where the run
     does not measure it."""
-    if noise_note(flags, plan, dist.world_size, accumulation) is not None:
+    if noise_note(flags, plan, dist.world_size, accumulation, sparse) is not None:
         return None, None
     estimator = noise.NoiseScale(dist.device)
     if dist.world_size > 1:  # DDP: each rank's gradient, read as its buckets are all-reduced

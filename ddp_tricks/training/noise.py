@@ -22,9 +22,13 @@ import torch
 BETA = 0.99  # the moving average's weight: about the last 100 steps
 
 
-def not_measured(world_size: int, accum_steps: int, strategy: str, traced: bool, whole_steps: bool) -> str | None:
+def not_measured(
+    world_size: int, accum_steps: int, strategy: str, traced: bool, whole_steps: bool, sparse: bool = False
+) -> str | None:
     """Why this run cannot measure the noise scale (None: it can). `whole_steps`: a step's gradient is made at once
-    (cached accumulation, Apex), with no micro-batch gradient of its own."""
+    (cached accumulation, Apex), with no micro-batch gradient of its own; `sparse`: some gradients are sparse."""
+    if sparse:
+        return "not with sparse gradients (an embedding's with sparse=True)"
     if strategy == "fsdp":
         return "not under --strategy fsdp (each rank holds slices of the gradients)"
     if traced:
