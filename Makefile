@@ -57,6 +57,7 @@ bench: install-all
 	$(PY) bench/e2e.py
 	$(PY) bench/fsdp_memory.py
 	$(PY) bench/cached_accumulation.py
+	$(PY) bench/noise_scale.py
 
 # No install-all: it runs on the machine's own Python (PYTHON=...), which needs torch and torchvision.
 gpu-check:

@@ -38,7 +38,7 @@ from ddp_tricks.optim import build as optimizers
 from ddp_tricks.schedules import decay_kind, schedule
 from ddp_tricks.storage import checkpoint, run_folder
 from ddp_tricks.traces import batch_trace
-from ddp_tricks.training import cached, loop, seam
+from ddp_tricks.training import cached, loop, noise, seam
 from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Best, NonFiniteLoss, Training
 
@@ -153,6 +153,11 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if plan.relayout:
         log.info("resumed at another layout: %s", plan.relayout)
+    why_not = noise_note(flags, plan, dist.world_size, accumulation, sparse)
+    if why_not is None:
+        log.info(noise.describe(dist.world_size, plan.micro_batch, plan.accum_steps, plan.global_batch))
+    elif flags.noise_scale:
+        log.info("gradient noise scale: not measured: %s", why_not)
     if global_loss and plan.accum_steps > 1 and accumulation is None:
         log.info("the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation")
     if flags.deterministic:
@@ -320,10 +325,11 @@ def build_training(
             bucket_cap_mb=flags.bucket_cap_mb,
             find_unused_parameters=flags.find_unused_parameters,
         )
+    params = [p for p in model.parameters() if p.requires_grad]
+    noise_scale, noise_parts = measured_noise(flags, plan, dist, model, params, accumulation, sparse)
     if flags.compile:
         model = models.compiled(model)
     mode = cli.mode_of(task, flags.monitor)
-    params = [p for p in model.parameters() if p.requires_grad]
     adascale = batch_trace.AdaScale() if flags.batch_lr_rule == "adascale" else None
     early_stopping = None
     if flags.early_stop_patience:
@@ -344,9 +350,31 @@ def build_training(
         early_stopping=early_stopping,
         accumulation=accumulation,
         global_loss=global_loss,
+        noise=noise_scale,
+        noise_parts=noise_parts,
         rank=dist.rank,
         world_size=dist.world_size,
     )
+
+
+def noise_note(flags, plan: planning.Plan, world_size: int, accumulation, sparse) -> str | None:
+    """Why the run does not measure the gradient noise scale (None: it does)."""
+    if not flags.noise_scale:
+        return "--no-noise-scale"
+    whole_steps = accumulation is not None or flags.amp_backend == "apex"
+    return noise.not_measured(world_size, plan.accum_steps, flags.strategy, plan.traced, whole_steps, bool(sparse))
+
+
+def measured_noise(flags, plan: planning.Plan, dist: launch.Dist, model, params, accumulation, sparse):
+    """The gradient noise scale's estimator and, in one process, its micro-batch reader; (None, None) where the run
+    does not measure it."""
+    if noise_note(flags, plan, dist.world_size, accumulation, sparse) is not None:
+        return None, None
+    estimator = noise.NoiseScale(dist.device)
+    if dist.world_size > 1:  # DDP: each rank's gradient, read as its buckets are all-reduced
+        model.register_comm_hook(None, noise.ddp_hook(estimator))
+        return estimator, None
+    return estimator, noise.MicroBatches(estimator, params)
 
 
 def make_schedule(flags, plan: planning.Plan, optimizer, mode: str) -> schedule.Schedule:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 
@@ -33,14 +34,22 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
     shown = json.loads(config.read_text()).get("task_metrics", {}) if config.is_file() else {}
     epochs = [r["epoch"] for r in rows]
     names = [k[len("val_") :] for k in rows[0] if k.startswith("val_")]
+    noise = [r.get("noise_scale", math.nan) for r in rows]
+    measured = any(math.isfinite(v) for v in noise)  # a run that saw two batch sizes per step (training/noise.py)
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(names) + 1, figsize=(4.6 * (len(names) + 1), 4))
+    panels = len(names) + 1 + measured
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4))
     for ax, name in zip(axes, names):
         for split, label in (("train", "train"), ("val", "validation")):
             if f"{split}_{name}" in rows[0]:
                 ax.plot(epochs, [r[f"{split}_{name}"] for r in rows], "o-", label=label)
         ax.set(title=shown.get(name, {}).get("title", name), xlabel="epoch", ylabel=name)
-    ax_lr = axes[-1]
+    if measured:
+        ax_noise = axes[-1]
+        ax_noise.plot(epochs, noise, "o-", label="B_simple = tr(Σ) / |G|²")
+        ax_noise.plot(epochs, [r["global_batch"] for r in rows], "--", label="global batch")
+        ax_noise.set(title="gradient noise scale", xlabel="epoch", ylabel="samples", yscale="log")
+    ax_lr = axes[len(names)]
     ax_lr.plot(epochs, [r["lr"] for r in rows], "o", label="end of epoch")
     if lr_trace and steps_per_epoch:
         ax_lr.plot([step / steps_per_epoch for step, _ in lr_trace], [lr for _, lr in lr_trace], "-", lw=1,

@@ -333,6 +333,13 @@ def _batching_and_precision_flags(g: argparse._ArgumentGroup) -> None:
         default=1,
         help="micro-batches per optimizer step (gradient accumulation)",
     )
+    g.add_argument(
+        "--no-noise-scale",
+        dest="noise_scale",
+        action="store_false",
+        help="do not measure the gradient noise scale (measured by default where a step sees two batch sizes: 2+ "
+        "processes, or --accum-steps 2+ on one)",
+    )
     g.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off", help="mixed precision (torch.amp)")
     g.add_argument(
         "--amp-backend",

@@ -50,7 +50,8 @@ def metric_columns(task) -> list[str]:
     """metrics.csv's columns: the task's reported metrics for training and validation, then the run's numbers."""
     names = ["loss", *getattr(task, "better", {})]
     return ["epoch", "step", *(f"train_{n}" for n in names), *(f"val_{n}" for n in names), "lr", "global_batch",
-            "world_size", "accum_steps", "epoch_seconds", "samples_per_second", "skipped_steps"]  # fmt: skip
+            "world_size", "accum_steps", "noise_scale", "grad_noise_trace", "grad_sq_norm",
+            "epoch_seconds", "samples_per_second", "skipped_steps"]  # fmt: skip
 
 
 class RunFolder:

@@ -27,7 +27,7 @@ from ddp_tricks.distributed.collectives import (
 )
 from ddp_tricks.distributed.wrap import accumulating
 from ddp_tricks.plan import Step
-from ddp_tricks.training import precise_bn
+from ddp_tricks.training import noise, precise_bn
 from ddp_tricks.training.batches import detached, float_outputs, no_rows, samples_in, to_device
 from ddp_tricks.training.seam import report
 from ddp_tricks.training.state import Training, restore_rng
@@ -99,7 +99,11 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
             t.precision.backward(loss if whole else loss * weight, t.optimizer)
         if t.reduction is not None:
             t.reduction.after_backward(weight)
+        if t.noise_parts is not None:  # one process: each micro-batch's gradient is a small batch's
+            t.noise_parts.after_backward(weight, samples, t.precision.loss_scale())
         yield outputs, targets, loss, units, samples
+    if t.noise_parts is not None:
+        t.noise_parts.finish()
 
 
 def progress_bar(enabled: bool, total: int, description: str):
@@ -171,6 +175,8 @@ def train_one_epoch(
                 running += row
             t.epoch_units += units
             t.epoch_samples += samples
+        if t.noise is not None:
+            noise.measure(t.noise, t.noise_parts, params, step.divisor, step.batch, t.precision.loss_scale())
         factor = step.lr_factor
         gain = t.reduction.finish(step.batch) if t.reduction is not None else 1.0
         if t.adascale is not None:
@@ -189,10 +195,15 @@ def train_one_epoch(
         if after_step is not None and after_step(t):
             return None
         if progress is not None and done % log_interval == 0:
+            shown = {}
+            if t.noise is not None:  # this rank's estimate (the epoch's row averages the ranks')
+                trace, grad_sq = t.noise.corrected().tolist()
+                shown["noise_scale"] = f"{trace / grad_sq:.0f}" if grad_sq > 0 else "?"
             progress.set_postfix(
                 loss=f"{running[0].item() / max(float(t.epoch_units), 1.0):.4f}",
                 lr=f"{t.lr:.4g}",
                 samples_per_s=f"{t.epoch_samples / (time.perf_counter() - start):.0f}",
+                **shown,
             )
             progress.update(done - progress.n)
     if progress is not None:
@@ -202,14 +213,21 @@ def train_one_epoch(
     seconds = time.perf_counter() - start
     units = torch.as_tensor(t.epoch_units, dtype=torch.float64, device=t.device).reshape(1)
     counts = torch.tensor([t.epoch_samples, t.epoch_samples - start_sums[-1].item()], dtype=torch.float64)
-    reduced = all_reduce_sum(torch.cat([running, units, counts.to(t.device)])).tolist()
-    *total, units_all, samples_all, samples_now = reduced
-    return report(t.task, t.sum_names, "train", total, units_all) | {
-        "global_batch": samples_all / max(len(steps), 1),
-        "samples_per_second": samples_now / seconds,
-        "epoch_seconds": seconds,
-        "skipped_steps": t.skipped_steps - skipped_before,
-    }
+    averages = [t.noise.corrected()] if t.noise is not None else []  # the ranks' moving averages, summed alike
+    reduced = all_reduce_sum(torch.cat([running, units, counts.to(t.device), *averages])).tolist()
+    noise_sums = reduced[len(reduced) - 2 :] if averages else None
+    *total, units_all, samples_all, samples_now = reduced[: len(reduced) - len(averages) * 2]
+    measured = noise.report(noise_sums, t.world_size) if noise_sums else {}
+    return (
+        report(t.task, t.sum_names, "train", total, units_all)
+        | measured
+        | {
+            "global_batch": samples_all / max(len(steps), 1),
+            "samples_per_second": samples_now / seconds,
+            "epoch_seconds": seconds,
+            "skipped_steps": t.skipped_steps - skipped_before,
+        }
+    )
 
 
 def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1.0, progress: float = 1.0) -> None:

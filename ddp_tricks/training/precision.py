@@ -39,6 +39,12 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
+    def loss_scale(self) -> torch.Tensor | float:
+        """What the loss was multiplied by before its backward: fp16's scale (a device tensor: no sync), or 1."""
+        if self.scaler is not None and self.scaler._scale is not None:
+            return self.scaler._scale.double()
+        return 1.0
+
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:
             self.scaler.scale(loss).backward()

@@ -22,6 +22,7 @@ from ddp_tricks.schedules.schedule import Schedule
 from ddp_tricks.shards import local
 from ddp_tricks.storage import sharded
 from ddp_tricks.traces.batch_trace import TraceReduction
+from ddp_tricks.training.noise import MicroBatches, NoiseScale
 from ddp_tricks.training.precision import Precision
 
 
@@ -80,6 +81,8 @@ class Training:
     reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient: None, loop.py's plain one
     global_loss: bool = False  # the task's loss gathers from every rank: evaluation keeps the ranks in step
+    noise: NoiseScale | None = None  # the gradient noise scale's moving averages (None: not measured)
+    noise_parts: MicroBatches | None = None  # one process: the micro-batches are its small batches (else the ranks)
     best: Best | None = None  # the monitored metric's best so far (None: not followed)
     early_stopping: EarlyStopping | None = None
     rank: int = 0
@@ -186,6 +189,7 @@ class Training:
             "scaler": self.precision.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping is not None else None,
             "adascale": adascale.state_dict() if adascale is not None else None,
+            "noise": gather_from_ranks(self.noise.packed()).cpu() if self.noise is not None else None,  # per rank
             "epoch": self.completed_epochs,
             "step_in_epoch": self.step_in_epoch if mid_epoch else 0,  # optimizer steps taken in epoch `epoch + 1`
             "epoch_sums": sums,  # each rank's running [loss x units, *metric sums, units, samples], mid-epoch only
@@ -225,21 +229,26 @@ class Training:
                 self.early_stopping.load_state_dict(state["early_stopping"])
         if self.adascale is not None and state.get("adascale"):
             self.adascale.load_state_dict(state["adascale"])
+        if self.noise is not None and state.get("noise") is not None:
+            self.noise.unpack(resume_rows(state["noise"], self.rank, self.world_size, mean=True))
         self.global_step = state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.completed_epochs = self.epoch = state["epoch"]
         self.step_in_epoch = state.get("step_in_epoch", 0)
         if self.step_in_epoch:  # the epoch's running sums, which add up over the ranks of any world size
-            self.resume_sums = resume_sums(state["epoch_sums"], self.rank, self.world_size)
+            self.resume_sums = resume_rows(state["epoch_sums"], self.rank, self.world_size)
             saved_rng = state["rng"]  # another world size's ranks draw differently anyway (Plan: same samples)
             self.resume_rng = saved_rng[self.rank] if len(saved_rng) == self.world_size else None
 
 
-def resume_sums(saved: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's share of a checkpoint's per-rank running sums (one row per rank that wrote it): its own row at the
-    same world size, else rank 0 continues from their total and the others from zero."""
+def resume_rows(saved: torch.Tensor, rank: int, world_size: int, mean: bool = False) -> torch.Tensor:
+    """This rank's share of a checkpoint's per-rank rows (one per rank that wrote it): its own row at the same world
+    size; else running sums (`mean` False) continue from their total on rank 0 and from zero on the others, and
+    averages (`mean`) from their mean on every rank."""
     if len(saved) == world_size:
         return saved[rank]
+    if mean:
+        return saved.mean(0)
     return saved.sum(0) if rank == 0 else torch.zeros_like(saved[0])
 
 

@@ -1,0 +1,167 @@
+"""The gradient noise scale (McCandlish et al., 2018, "An Empirical Model of Large-Batch Training", appendix A.1),
+measured in every run that sees two batch sizes in each step: the noise scale B_simple = tr(Sigma) / |G|^2 says
+about how large a batch can usefully be (larger ones buy fewer steps only at more samples).
+
+Each optimizer step gives a small batch's gradient (B_small samples) and the step's gradient (B_big):
+    |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+both unbiased; each is averaged over steps (an exponential moving average, bias-corrected) before the ratio is
+taken, as the paper does. |G_small|^2 is the mean over the step's small batches:
+- under DDP (2+ processes), each rank's gradient before the all-reduce (a communication hook: no extra pass, no
+  extra collective), B_small its samples in the step;
+- in one process with accumulation, each micro-batch's gradient (kept apart as it is computed), B_small its
+  samples.
+Everything stays on the device: no host sync in a step. The per-rank averages are linear in |G_small|^2, so the
+ranks' moving averages are averaged once, at the end of the epoch, inside the epoch's one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BETA = 0.99  # the moving average's weight: about the last 100 steps
+
+
+def not_measured(
+    world_size: int, accum_steps: int, strategy: str, traced: bool, whole_steps: bool, sparse: bool = False
+) -> str | None:
+    """Why this run cannot measure the noise scale (None: it can). `whole_steps`: a step's gradient is made at once
+    (cached accumulation, Apex), with no micro-batch gradient of its own; `sparse`: some gradients are sparse."""
+    if sparse:
+        return "not with sparse gradients (an embedding's with sparse=True)"
+    if strategy == "fsdp":
+        return "not under --strategy fsdp (each rank holds slices of the gradients)"
+    if traced:
+        return "not with --batch-trace (its steps reduce gradients themselves)"
+    if world_size == 1 and (accum_steps == 1 or whole_steps):
+        return "it needs two batch sizes per step: 2+ processes, or --accum-steps 2+ (plain accumulation) on one"
+    return None
+
+
+def describe(world_size: int, micro_batch: int, accum_steps: int, global_batch: int) -> str:
+    """Where a run's small batches come from, for its log."""
+    if world_size > 1:
+        small, source = micro_batch * accum_steps, "each rank's gradient"
+    else:
+        small, source = micro_batch, "each micro-batch's"
+    return f"gradient noise scale: measured from {source} ({small} samples) and the step's ({global_batch})"
+
+
+class NoiseScale:
+    """The moving averages of the two unbiased estimates, on the device. A step gives its small batches'
+    squared gradient norms (`small`; under DDP the communication hook adds each bucket's into `local`, which
+    `close_local` makes one small batch), then the step's own (`big`), which enters the averages."""
+
+    def __init__(self, device: torch.device, beta: float = BETA):
+        self.beta = beta
+        zeros = dict(dtype=torch.float64, device=device)
+        self.averages = torch.zeros(2, **zeros)  # the moving averages of [tr(Sigma), |G|^2], not yet corrected
+        self.weight = torch.zeros((), **zeros)  # what the averages' weights sum to: their bias correction
+        self.local = torch.zeros((), **zeros)  # this rank's gradient's squared norm, bucket by bucket (DDP's hook)
+        self._small_sum = torch.zeros((), **zeros)  # this step's small batches' squared norms, summed
+        self._small_count = 0
+        self._small_samples = 0
+
+    def small(self, sq_norm: torch.Tensor, samples: int) -> None:
+        """One small batch's squared gradient norm (the gradient of its mean loss), and its samples."""
+        self._small_sum = self._small_sum + sq_norm.to(torch.float64)
+        self._small_count += 1
+        self._small_samples += samples
+
+    def close_local(self, samples: int) -> None:
+        """This rank's gradient before the all-reduce (its buckets' squared norms) as the step's small batch."""
+        self.small(self.local, samples)
+        self.local = torch.zeros_like(self.local)
+
+    def big(self, sq_norm: torch.Tensor, samples: int) -> None:
+        """The step's squared gradient norm (the mean over all its `samples`): the step's estimates enter the
+        averages, unless one is not finite (an fp16 overflow). A step with no small batch smaller than itself
+        leaves them as they are."""
+        count, small_samples, small_sum = self._small_count, self._small_samples, self._small_sum
+        self._small_sum, self._small_count, self._small_samples = torch.zeros_like(small_sum), 0, 0
+        if count == 0 or small_samples >= count * samples:
+            return
+        b_small, b_big = small_samples / count, float(samples)
+        g_small, g_big = small_sum / count, sq_norm.to(torch.float64)
+        trace = (g_small - g_big) / (1 / b_small - 1 / b_big)
+        grad_sq = (b_big * g_big - b_small * g_small) / (b_big - b_small)
+        estimates = torch.stack([trace, grad_sq])
+        keep = torch.isfinite(estimates).all().to(torch.float64) * (1 - self.beta)  # 0 for a step left out: no sync
+        self.averages.mul_(1 - keep).add_(torch.nan_to_num(estimates, nan=0.0, posinf=0.0, neginf=0.0) * keep)
+        self.weight.mul_(1 - keep).add_(keep)
+
+    def corrected(self) -> torch.Tensor:
+        """[tr(Sigma), |G|^2] on the device, bias-corrected (zeros before the first step)."""
+        return self.averages / self.weight.clamp(min=1e-300)
+
+    def packed(self) -> torch.Tensor:
+        """[averages, weight]: what a checkpoint keeps, one row per rank."""
+        return torch.cat([self.averages, self.weight.reshape(1)])
+
+    def unpack(self, row: torch.Tensor) -> None:
+        self.averages.copy_(row[:2])
+        self.weight.copy_(row[2])
+
+
+def report(corrected_sums: list[float], world_size: int) -> dict[str, float]:
+    """The epoch's columns from the ranks' summed corrected averages: tr(Sigma), |G|^2 and their ratio."""
+    trace, grad_sq = (value / world_size for value in corrected_sums)
+    scale = trace / grad_sq if grad_sq > 0 else float("nan")
+    return {"noise_scale": scale, "grad_noise_trace": trace, "grad_sq_norm": grad_sq}
+
+
+def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """sum |g|^2 over tensors, on the device (no host sync)."""
+    norms = torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads])
+    return torch.stack(norms).to(torch.float64).pow(2).sum()
+
+
+def ddp_hook(noise: NoiseScale):
+    """A DDP communication hook: each bucket's local squared norm into `noise.local`, then DDP's own all-reduce
+    (the mean over the ranks: what DDP does without a hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(process_group, bucket):
+        norm = torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32)
+        noise.local = noise.local + norm.to(torch.float64).square()
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    return hook
+
+
+class MicroBatches:
+    """One process with accumulation: each micro-batch's gradient kept apart as it is computed (its squared norm
+    taken, then added into a buffer of the step's), so the micro-batches are the small batches."""
+
+    def __init__(self, noise: NoiseScale, params: list[torch.Tensor]):
+        self.noise = noise
+        self.params = params
+        self._sums: list[torch.Tensor] | None = None
+
+    def after_backward(self, weight, samples: int, scale) -> None:
+        """After a micro-batch's backward: `weight` multiplied its mean loss, `scale` the loss (fp16's, or 1)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.noise.small(squared_norm(grads) / (weight * scale) ** 2, samples)
+        if self._sums is None:
+            self._sums = grads
+        else:
+            torch._foreach_add_(self._sums, grads)
+        for p in self.params:
+            p.grad = None
+
+    def finish(self) -> None:
+        """The step's gradient back into p.grad."""
+        if self._sums is not None:
+            for p, g in zip(self.params, self._sums):
+                p.grad = g
+        self._sums = None
+
+
+def measure(noise: NoiseScale, parts: MicroBatches | None, params, per_rank: int, batch: int, loss_scale) -> None:
+    """The end of a step's backward passes: its small batches (the ranks' gradients: `per_rank` samples each; or the
+    micro-batches, already in) and its gradient over `batch` samples, into the averages."""
+    if parts is None:
+        noise.close_local(per_rank)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        noise.big(squared_norm(grads) / loss_scale**2, batch)

@@ -1,0 +1,108 @@
+"""The gradient noise scale (ddp_tricks/training/noise.py) against independent computations: the estimator's
+arithmetic against the paper's formulas written out; at fixed weights (a learning rate of 1e-9), tr(Sigma) and
+|G|^2 from per-sample gradients (torch.func) over the whole training set; and 2 ranks against one process with 2
+micro-batches of the same samples."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+from multiproc import python_run, torchrun
+
+from ddp_tricks.training.noise import NoiseScale
+
+FLAGS = ["--task", "tests/noise_tasks.py:PerceptronDigits", "-b", "16", "-l", "1e-9", "--momentum", "0", "--wd", "0",
+         "--warmup-epochs", "0", "-e", "4", "--no-progress", "-s", "0"]  # fmt: skip
+COLUMNS = ("noise_scale", "grad_noise_trace", "grad_sq_norm")
+
+
+def test_the_estimates_follow_the_papers_formulas():
+    beta = 0.9
+    noise = NoiseScale(torch.device("cpu"), beta=beta)
+    ema, weight = [0.0, 0.0], 0.0
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(7):
+        smalls = (torch.rand(3, generator=generator, dtype=torch.float64) + 1).tolist()  # 3 small batches of 8
+        big = float(torch.rand((), generator=generator, dtype=torch.float64)) + 0.5  # the step: 24 samples
+        for value in smalls:
+            noise.small(torch.tensor(value, dtype=torch.float64), 8)
+        noise.big(torch.tensor(big, dtype=torch.float64), 24)
+        g_small = sum(smalls) / 3
+        trace = (g_small - big) / (1 / 8 - 1 / 24)  # McCandlish et al., appendix A.1
+        grad_sq = (24 * big - 8 * g_small) / (24 - 8)
+        ema = [beta * ema[0] + (1 - beta) * trace, beta * ema[1] + (1 - beta) * grad_sq]
+        weight = beta * weight + (1 - beta)
+    noise.small(torch.tensor(math.inf), 8)  # an overflowed step leaves the averages as they are
+    noise.big(torch.tensor(1.0), 24)
+    expected = torch.tensor([ema[0] / weight, ema[1] / weight], dtype=torch.float64)
+    assert torch.allclose(noise.corrected(), expected, rtol=1e-12, atol=0)
+
+
+def per_sample_truth() -> tuple[float, float]:
+    """tr(Sigma) and |G|^2 of the per-sample gradients over the whole training set, at the weights the runs below
+    start from (the same seed and task, as run.py builds them)."""
+    from torch.func import functional_call, grad, vmap
+
+    from customized_function import same_seeds
+    from ddp_tricks import cli
+    from ddp_tricks.data import loaders
+
+    flags, task_class = cli.parse([*FLAGS, "-n", "truth"])
+    task = task_class(flags)
+    same_seeds(flags.seed)
+    train_set, _ = task.datasets()
+    model = task.model()
+    inputs, targets = loaders.batch_of(train_set, list(range(len(train_set))))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x, y):
+        return task.loss(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, inputs, targets)
+    flat = torch.cat([g.reshape(len(inputs), -1) for g in grads.values()], dim=1).double()
+    mean = flat.mean(0)
+    return ((flat - mean) ** 2).sum(1).mean().item(), mean.pow(2).sum().item()
+
+
+def rows(run_dir) -> list[dict[str, float]]:
+    with open(run_dir / "metrics.csv") as f:
+        return [{k: float(r[k]) for k in COLUMNS} for r in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same samples in every step: one process with 2 micro-batches of 16, and 2 ranks of 16."""
+    root = tmp_path_factory.mktemp("noise")
+    one = python_run([*FLAGS, "--accum-steps", "2", "-n", "one", "--runs-dir", str(root)])
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "gradient noise scale: measured from each micro-batch's (16 samples) and the step's (32)" in one.stdout
+    two = torchrun([*FLAGS, "-n", "two", "--runs-dir", str(root)])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "gradient noise scale: measured from each rank's gradient (16 samples) and the step's (32)" in two.stdout
+    return {"one process, 2 micro-batches": rows(root / "one"), "2 ranks": rows(root / "two")}
+
+
+@pytest.mark.xdist_group("noise-scale")
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_at_fixed_weights_the_estimates_match_the_per_sample_gradients(runs):
+    trace, grad_sq = per_sample_truth()
+    for name, measured in runs.items():
+        last = measured[-1]  # the moving averages after 180 steps (about the last 100)
+        assert last["grad_noise_trace"] == pytest.approx(trace, rel=0.15), name
+        assert last["grad_sq_norm"] == pytest.approx(grad_sq, rel=0.15), name
+        assert last["noise_scale"] == pytest.approx(trace / grad_sq, rel=0.3), name
+
+
+@pytest.mark.xdist_group("noise-scale")
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_measure_what_one_process_measures_from_two_micro_batches(runs):
+    one, two = runs.values()
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        for column in COLUMNS:
+            assert b[column] == pytest.approx(a[column], rel=1e-6), column
