@@ -92,25 +92,33 @@ def lr_schedule(lrs: list[float], steps_per_epoch: int, run_dir: str | Path, tit
 
 def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict) -> Path:
     """One validation metric (`metric`: storage.run_folder.headline), the loss and the LR of several runs on one
-    figure, one colour per run."""
+    figure, one colour per run; and the gradient noise scale, where a run measured it (its global batch dashed)."""
     plt = _pyplot()
-    fig, (ax_metric, ax_loss, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
+    runs = {Path(run_dir).name: read_metrics(run_dir) for run_dir in run_dirs}
+    measured = any(math.isfinite(r.get("noise_scale", math.nan)) for rows in runs.values() for r in rows)
+    fig, axes = plt.subplots(1, 3 + measured, figsize=(5 * (3 + measured), 4.5))
+    ax_metric, ax_loss, ax_lr = axes[:3]
     name, scale, unit = metric["name"], metric["scale"], f" ({metric['unit']})" if metric["unit"] else ""
-    for run_dir in run_dirs:
-        rows = read_metrics(run_dir)
+    for label, rows in runs.items():
         epochs = [r["epoch"] for r in rows]
-        label = Path(run_dir).name
         (line,) = ax_metric.plot(epochs, [scale * r[f"val_{name}"] for r in rows], "o-", label=f"{label} (val)")
         if f"train_{name}" in rows[0]:
             train = [scale * r[f"train_{name}"] for r in rows]
             ax_metric.plot(epochs, train, "--", color=line.get_color(), alpha=0.6)
         ax_loss.plot(epochs, [r["val_loss"] for r in rows], "o-", color=line.get_color(), label=label)
         ax_lr.plot(epochs, [r["lr"] for r in rows], "o-", color=line.get_color(), label=label)
+        if measured:
+            axes[3].plot(epochs, [r.get("noise_scale", math.nan) for r in rows], "o-", color=line.get_color(),
+                         label=label)  # fmt: skip
+            axes[3].plot(epochs, [r["global_batch"] for r in rows], "--", color=line.get_color(), alpha=0.6)
     ax_metric.set(title=f"{metric['title']} (solid: validation, dashed: train)", xlabel="epoch",
                   ylabel=f"{metric['title']}{unit}")  # fmt: skip
     ax_loss.set(title="Validation loss", xlabel="epoch", ylabel="loss")
     ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="learning rate")
-    for ax in (ax_metric, ax_loss, ax_lr):
+    if measured:
+        axes[3].set(title="Gradient noise scale (dashed: global batch)", xlabel="epoch", ylabel="samples",
+                    yscale="log")  # fmt: skip
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
