@@ -80,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         if watchdog.fail(1):
             gone = watchdog.lost_peer(error)  # not a bug here: another process died first, without a word
             if gone:
+                restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+                restarts = restarts and getattr(flags, "resume", None) == "auto"
+                then = "torchrun restarts the job from the last checkpoint" if restarts else "resume it with -n NAME"
                 report(
                     f"on rank {process.rank}: another process of the job is gone (killed, or its node lost: {gone}); "
-                    "an elastic launcher (torchrun --max-restarts) restarts from the last checkpoint with --resume "
-                    "auto, or resume so by hand"
+                    f"{then}{'' if restarts else ' --resume auto'}"
                 )
             else:
                 traceback.print_exc()
@@ -109,7 +111,8 @@ def run(flags, task, process: launch.Launch) -> int:
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
     # the run's global batch: a resumed run keeps its own at any world size, the layout adapting
-    plan = make_plan(flags, len(train_set), process.world_size, run_batch=planning.recorded(state))
+    trains = not (flags.eval_only or flags.plot_lr)
+    plan = make_plan(flags, len(train_set), process.world_size, run_batch=planning.recorded(state) if trains else None)
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     seam.check_sparse(sparse, flags.optimizer, flags.lars_wrap, flags.strategy, plan.traced, nccl)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
@@ -138,7 +141,6 @@ def run(flags, task, process: launch.Launch) -> int:
     folder = run_folder.RunFolder(Path(flags.run_dir), dist.is_main, run_folder.metric_columns(task))
     record = vars(flags) | plan.summary() | {"val_samples": len(val_set), "task_info": run_folder.task_info(task)}
     record["task_metrics"] = run_folder.task_metrics(task)
-    trains = not (flags.eval_only or flags.plot_lr)
     folder.start(record, t.completed_epochs, flags.overwrite, flags.tensorboard, new_run=trains)
     preemption = Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(collectives.gather_objects(os.getpid()))
@@ -152,8 +154,8 @@ def run(flags, task, process: launch.Launch) -> int:
         plan.steps_per_epoch,
     )
     if plan.relayout:
-        log.info("resumed at another layout: %s", plan.relayout)
-    why_not = noise_note(flags, plan, dist.world_size, accumulation, sparse)
+        log.info("resumed: %s", plan.relayout)
+    why_not = noise_note(flags, plan, dist.world_size, accumulation, sparse, global_loss)
     if why_not is None:
         log.info(noise.describe(dist.world_size, plan.micro_batch, plan.accum_steps, plan.global_batch))
     elif flags.noise_scale:
@@ -326,7 +328,7 @@ def build_training(
             find_unused_parameters=flags.find_unused_parameters,
         )
     params = [p for p in model.parameters() if p.requires_grad]
-    noise_scale, noise_parts = measured_noise(flags, plan, dist, model, params, accumulation, sparse)
+    noise_scale, noise_parts = measured_noise(flags, plan, dist, model, params, accumulation, sparse, global_loss)
     if flags.compile:
         model = models.compiled(model)
     mode = cli.mode_of(task, flags.monitor)
@@ -357,22 +359,24 @@ def build_training(
     )
 
 
-def noise_note(flags, plan: planning.Plan, world_size: int, accumulation, sparse) -> str | None:
+def noise_note(flags, plan: planning.Plan, world_size: int, accumulation, sparse, global_loss) -> str | None:
     """Why the run does not measure the gradient noise scale (None: it does)."""
     if not flags.noise_scale:
         return "--no-noise-scale"
     whole_steps = accumulation is not None or flags.amp_backend == "apex"
-    return noise.not_measured(world_size, plan.accum_steps, flags.strategy, plan.traced, whole_steps, bool(sparse))
+    return noise.not_measured(
+        world_size, plan.accum_steps, flags.strategy, plan.traced, whole_steps, bool(sparse), global_loss
+    )
 
 
-def measured_noise(flags, plan: planning.Plan, dist: launch.Dist, model, params, accumulation, sparse):
+def measured_noise(flags, plan: planning.Plan, dist: launch.Dist, model, params, accumulation, sparse, global_loss):
     """The gradient noise scale's estimator and, in one process, its micro-batch reader; (None, None) where the run
     does not measure it."""
-    if noise_note(flags, plan, dist.world_size, accumulation, sparse) is not None:
+    if noise_note(flags, plan, dist.world_size, accumulation, sparse, global_loss) is not None:
         return None, None
     estimator = noise.NoiseScale(dist.device)
     if dist.world_size > 1:  # DDP: each rank's gradient, read as its buckets are all-reduced
-        model.register_comm_hook(None, noise.ddp_hook(estimator))
+        model.register_comm_hook(None, noise.ddp_hook(estimator, params))
         return estimator, None
     return estimator, noise.MicroBatches(estimator, params)
 

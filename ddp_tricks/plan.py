@@ -3,13 +3,14 @@ epoch and warmup steps, and each epoch's per-step plan (this rank's samples in e
 loss is divided by, the step's global batch and LR factor), for plain, accumulated and traced runs alike.
 
 The plan does not depend on the world size beyond how the ranks split each step: step s of an epoch takes the
-samples at positions s*G .. (s+1)*G - 1 of the epoch's permutation (G the global batch), cut into micro-batches
-("slots", G / micro-batch of them: slot k takes every (G / micro-batch)-th sample from position k, as the k-th of
-that many DistributedSamplers, unpadded), and rank r runs slots r, r + world, r + 2 world, ... So a run resumed at
+samples at positions s*G .. (s+1)*G - 1 of the epoch's permutation (DistributedSampler's shuffle; G the global
+batch), cut into micro-batches ("slots", G / micro-batch of them: slot k takes every (G / micro-batch)-th sample
+from position k, as the k-th of that many DistributedSamplers would, unpadded), and rank r runs slots r,
+r + world, r + 2 world, ... So a run resumed at
 another world size (`layout`) takes the same samples in the same steps, grouped into the same micro-batches
 (BatchNorm sees what it saw); with another micro-batch (accumulation instead of a larger batch), the same samples
 in the same steps. The epoch's last step may be short (its micro-batches a sample apart in length); one that would
-leave a slot empty (fewer samples than slots) is left out, its samples next epoch's.
+leave a slot empty (fewer samples than slots) is left out: those samples skip this epoch.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Plan:
     step_size: int = 1  # step decay: optimizer steps between decays (--step-epochs in steps)
     drop_last: bool = False  # training leaves out the samples that do not fill a whole micro-batch of every slot
     relayout: str = ""  # how a resumed run keeps its global batch at this world size, when the layout changed
+    run_micro_batch: int = 0  # the micro-batch the run started with, which a resume comes back to where it fits
 
     @property
     def slots(self) -> int:
@@ -104,6 +106,7 @@ class Plan:
             "world_size": self.world_size,
             "global_batch_size": self.global_batch,
             "micro_batch": self.micro_batch,
+            "run_micro_batch": self.run_micro_batch or self.micro_batch,
             "accum_steps": self.accum_steps,
             "effective_lr": self.lr,
             "steps_per_epoch": self.steps_per_epoch,
@@ -117,25 +120,19 @@ class Plan:
         """The steps of `epoch` on `rank`; a traced epoch starts at trace row `first_trace_step`."""
         if self.traced:
             return self._traced_epoch(epoch, rank, first_trace_step)
-        mine = [self._slot(epoch, k) for k in range(rank, self.slots, self.world_size)]
+        # the epoch's permutation: DistributedSampler's shuffle (seeded by seed + epoch: set_epoch), once
+        sampler = DistributedSampler(range(self.num_train), 1, 0, shuffle=True, seed=self.seed)
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler))
+        if self.drop_last:  # the samples that divide evenly over the slots
+            order = order[: self.num_train // self.slots * self.slots]
+        mine = [order[k :: self.slots].split(self.micro_batch) for k in range(rank, self.slots, self.world_size)]
         steps = []
         for s in range(self.steps_per_epoch):
             group = [slot[s].tolist() for slot in mine]
             batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
             steps.append(Step(group, batch / self.world_size, batch))
         return steps
-
-    def _slot(self, epoch: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """The micro-batches of `slot`, one per step of `epoch`: the k-th of `slots` DistributedSamplers (a new
-        shuffle each epoch: set_epoch), without the samples it pads with (every sample of the epoch once)."""
-        sampler = DistributedSampler(
-            range(self.num_train), self.slots, slot, shuffle=True, seed=self.seed, drop_last=self.drop_last
-        )
-        sampler.set_epoch(epoch)
-        indices = list(sampler)
-        if not self.drop_last:
-            indices = indices[: len(range(slot, self.num_train, self.slots))]
-        return torch.tensor(indices).split(self.micro_batch)
 
     def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:
         """Trace step i takes the next B_i samples of the epoch's permutation, cut into micro-batches dealt
@@ -175,18 +172,22 @@ def make(
     """The plan for these numbers; an impossible combination is a UserError that names the fix. `run_batch`: a
     resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
     --batch-size (then the micro-batch's ceiling) and --accum-steps give."""
-    relayout = ""
+    relayout, run_micro_batch = "", micro_batch
     if trace is None and run_batch is not None:
         flags_batch = micro_batch * world_size * accum_steps
         run_global, run_micro = run_batch
-        micro_batch, accum_steps = layout(run_global, world_size, micro_batch, run_micro)
+        run_micro_batch = run_micro
+        micro_batch, accum_steps = layout(run_global, world_size, micro_batch, run_micro, num_train, drop_last)
         if flags_batch != run_global or micro_batch != run_micro:
-            relayout = f"the run's global batch {run_global} kept on {world_size} process(es)"
+            relayout = f"the run's global batch {run_global} is kept on {world_size} process(es)"
             if flags_batch != run_global:
-                relayout += f" (the flags give {flags_batch})"
+                relayout += f" (this command's --batch-size/--accum-steps, which give {flags_batch}, are not used)"
             relayout += f": micro-batch {micro_batch} x accumulation {accum_steps}"
             if micro_batch != run_micro:
-                relayout += f"; the run's micro-batch was {run_micro}: BatchNorm groups the samples differently"
+                relayout += (
+                    f"; the run's micro-batch was {run_micro}: the steps keep their samples, a model with BatchNorm "
+                    "normalizes over other groups of them"
+                )
     if trace is None:
         global_batch = micro_batch * world_size * accum_steps
         if global_batch > num_train:
@@ -195,11 +196,7 @@ def make(
                 f"--accum-steps {accum_steps}) exceeds the {num_train} training samples: lower --batch-size"
                 + (" or --accum-steps" if accum_steps > 1 else "")
             )
-        slots = world_size * accum_steps  # a step's micro-batches, each its own DistributedSampler's (Plan.epoch)
-        if drop_last:  # whole micro-batches of the samples that divide evenly over the slots
-            steps_per_epoch = num_train // slots // micro_batch
-        else:  # and a short last step, unless it would leave a slot empty
-            steps_per_epoch = num_train // global_batch + (num_train % global_batch >= slots)
+        steps_per_epoch = epoch_steps(num_train, global_batch, micro_batch, drop_last)
         total_steps = epochs * steps_per_epoch
     else:
         batch_trace.check_trace(trace, micro_batch)
@@ -231,18 +228,37 @@ def make(
         step_size=max(1, round(step_epochs * steps_per_epoch)),
         drop_last=drop_last and trace is None,
         relayout=relayout,
+        run_micro_batch=run_micro_batch if trace is None else micro_batch,
     )
 
 
-def layout(global_batch: int, world_size: int, ceiling: int, prefer: int) -> tuple[int, int]:
+def epoch_steps(num_train: int, global_batch: int, micro_batch: int, drop_last: bool) -> int:
+    """Optimizer steps per epoch (untraced): the whole steps, and a short last one unless it would leave one of the
+    step's micro-batches empty; with drop_last, the whole micro-batches of the samples that divide over them."""
+    slots = global_batch // micro_batch
+    if drop_last:
+        return num_train // slots // micro_batch
+    return num_train // global_batch + (num_train % global_batch >= slots)
+
+
+def layout(
+    global_batch: int, world_size: int, ceiling: int, prefer: int, num_train: int, drop_last: bool = False
+) -> tuple[int, int]:
     """(micro-batch, accumulation steps) with micro-batch x `world_size` x accumulation = `global_batch`: the run's
-    own micro-batch `prefer` where it fits under `ceiling` (--batch-size), else the largest one that does."""
-    fits = [m for m in range(min(ceiling, global_batch // world_size), 0, -1) if global_batch % (m * world_size) == 0]
+    own micro-batch `prefer` where it fits under `ceiling` (--batch-size), else the largest one that does and keeps
+    the run's steps per epoch (its schedule)."""
+    steps = epoch_steps(num_train, global_batch, prefer, drop_last)
+    fits = [
+        m
+        for m in range(min(ceiling, global_batch // world_size), 0, -1)
+        if global_batch % (m * world_size) == 0 and epoch_steps(num_train, global_batch, m, drop_last) == steps
+    ]
     if not fits:
         sizes = [n for n in range(1, global_batch + 1) if global_batch % n == 0][:8]
         raise UserError(
             f"the run's global batch {global_batch} cannot be kept on {world_size} processes (micro-batch x "
-            f"{world_size} x accumulation never makes {global_batch}): launch a number of processes that divides it "
+            f"{world_size} x accumulation never makes {global_batch} in {steps} steps an epoch, the micro-batch at "
+            f"most --batch-size {ceiling}): launch a number of processes that divides it "
             f"({', '.join(map(str, sizes))}{', ...' if global_batch > sizes[-1] else ''}), or start a new run "
             "(another -n)"
         )
@@ -256,8 +272,9 @@ def recorded(state: dict | None) -> tuple[int, int] | None:
     config = (state or {}).get("config") or {}
     if state is None or config.get("batch_trace"):
         return None
-    if "plan" in state:
-        return state["plan"]["global_batch_size"], state["plan"]["micro_batch"]
+    plan = state.get("plan")
+    if plan:
+        return plan["global_batch_size"], plan.get("run_micro_batch", plan["micro_batch"])
     if "batch_size" not in config or "world_size" not in state:
         return None
     return config["batch_size"] * state["world_size"] * config.get("accum_steps", 1), config["batch_size"]

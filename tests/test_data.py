@@ -157,7 +157,10 @@ def test_a_resumed_run_keeps_its_global_batch_at_another_world_size():
 
     assert [(p.micro_batch, p.accum_steps, p.global_batch) for p in map(resumed, (1, 2, 3, 6))] == [
         (16, 6, 96), (16, 3, 96), (16, 2, 96), (16, 1, 96)]  # fmt: skip
-    assert "kept on 2 process(es) (the flags give 32): micro-batch 16 x accumulation 3" in resumed(2).relayout
+    assert resumed(2).relayout == (
+        "the run's global batch 96 is kept on 2 process(es) (this command's --batch-size/--accum-steps, which give "
+        "32, are not used): micro-batch 16 x accumulation 3"
+    )
     four = resumed(4)  # 96 = 24 x 4: the micro-batch changes, and the plan says so
     assert (four.micro_batch, four.accum_steps) == (12, 2) and "BatchNorm" in four.relayout
     assert resumed(4, batch_size=8).micro_batch == 8  # --batch-size stays the ceiling
@@ -176,3 +179,44 @@ def test_the_global_batch_of_a_checkpoint_from_before_the_plan_was_recorded_come
     old = {"config": {"batch_size": 8, "accum_steps": 3}, "world_size": 2}
     assert plan.recorded(old) == (48, 8)
     assert plan.recorded({"config": {"batch_size": 8, "batch_trace": "t.csv"}, "world_size": 2}) is None
+
+
+def test_a_resume_that_must_change_the_micro_batch_keeps_the_run_s_steps_per_epoch():
+    from ddp_tricks import plan
+
+    def planned(world_size, batch_size=8, num_train=99):
+        return plan.make(num_train=num_train, world_size=world_size, micro_batch=batch_size, accum_steps=1,
+                         epochs=2, seed=0, base_lr=0.1, lr_scaling="keep", base_batch=24, warmup_epochs=0,
+                         run_batch=(24, 8))  # fmt: skip
+
+    # 99 = 4 x 24 + 3: the short step's 3 samples fill the 3 slots of 8, so the run takes 5 steps an epoch
+    assert (planned(1).micro_batch, planned(1).accum_steps, planned(1).steps_per_epoch) == (8, 3, 5)
+    assert (planned(3).micro_batch, planned(3).accum_steps) == (8, 1)
+    with pytest.raises(UserError) as error:  # on 4 processes every micro-batch (6, 3, 2, 1) makes 4+ slots: 4 steps
+        planned(4)
+    assert "cannot be kept on 4 processes" in str(error.value) and "in 5 steps an epoch" in str(error.value)
+    # 100 = 4 x 24 + 4: on 2 processes with --batch-size 6, micro-batches of 6 (4 slots) keep the 5th step
+    two = planned(2, batch_size=6, num_train=100)
+    assert (two.micro_batch, two.accum_steps, two.steps_per_epoch) == (6, 2, 5)
+    assert two.total_steps == planned(1, num_train=100).total_steps == 10
+
+
+def test_a_run_comes_back_to_its_own_micro_batch_after_a_forced_change():
+    from ddp_tricks import plan
+
+    def planned(world_size, state):
+        return plan.make(num_train=1000, world_size=world_size, micro_batch=8, accum_steps=3, epochs=1, seed=0,
+                         base_lr=0.1, lr_scaling="keep", base_batch=24, warmup_epochs=0,
+                         run_batch=plan.recorded(state))  # fmt: skip
+
+    one = planned(1, {"plan": {"global_batch_size": 24, "micro_batch": 8}})
+    two = planned(2, {"plan": one.summary()})  # 24 = 8 x 2 x 1.5: the micro-batch must change
+    assert two.micro_batch == 6 and "the run's micro-batch was 8" in two.relayout
+    back = planned(1, {"plan": two.summary()})
+    assert (back.micro_batch, back.accum_steps, back.relayout) == (8, 3, "")
+
+
+def test_a_checkpoint_with_an_empty_plan_falls_back_to_its_flags():
+    from ddp_tricks import plan
+
+    assert plan.recorded({"plan": {}, "config": {"batch_size": 4, "accum_steps": 2}, "world_size": 2}) == (16, 4)

@@ -74,7 +74,8 @@ def rows(run_dir) -> list[dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same samples in every step: one process with 2 micro-batches of 16, and 2 ranks of 16."""
+    """The same samples in every step: one process with 2 micro-batches of 16, and 2 ranks of 16 (in float32, and
+    in fp16 with a loss scale). 1437 samples: each epoch's last step is 29, uneven over the ranks (15 and 14)."""
     root = tmp_path_factory.mktemp("noise")
     one = python_run([*FLAGS, "--accum-steps", "2", "-n", "one", "--runs-dir", str(root)])
     assert one.returncode == 0, one.stderr[-3000:]
@@ -82,7 +83,10 @@ def runs(tmp_path_factory):
     two = torchrun([*FLAGS, "-n", "two", "--runs-dir", str(root)])
     assert two.returncode == 0, two.stderr[-3000:]
     assert "gradient noise scale: measured from each rank's gradient (16 samples) and the step's (32)" in two.stdout
-    return {"one process, 2 micro-batches": rows(root / "one"), "2 ranks": rows(root / "two")}
+    half = torchrun([*FLAGS, "--amp", "fp16", "-n", "half", "--runs-dir", str(root)])
+    assert half.returncode == 0, half.stderr[-3000:]
+    measured = {"one process, 2 micro-batches": "one", "2 ranks": "two", "2 ranks, fp16": "half"}
+    return {name: rows(root / run) for name, run in measured.items()}
 
 
 @pytest.mark.xdist_group("noise-scale")
@@ -90,7 +94,7 @@ def runs(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_at_fixed_weights_the_estimates_match_the_per_sample_gradients(runs):
     trace, grad_sq = per_sample_truth()
-    for name, measured in runs.items():
+    for name, measured in runs.items():  # fp16: the gradients of the scaled loss, unscaled
         last = measured[-1]  # the moving averages after 180 steps (about the last 100)
         assert last["grad_noise_trace"] == pytest.approx(trace, rel=0.15), name
         assert last["grad_sq_norm"] == pytest.approx(grad_sq, rel=0.15), name
@@ -101,7 +105,7 @@ def test_at_fixed_weights_the_estimates_match_the_per_sample_gradients(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_measure_what_one_process_measures_from_two_micro_batches(runs):
-    one, two = runs.values()
+    one, two, _ = runs.values()
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
         for column in COLUMNS:

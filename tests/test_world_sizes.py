@@ -74,7 +74,7 @@ def test_a_run_resumed_1_to_3_to_2_ranks_mid_epoch_equals_the_uninterrupted_one(
     _stopped(args, 1, first, run_dir, last, monkeypatch)  # in epoch 1, on one process
     resumed = [*args, "--resume", "auto"]
     log = _stopped(resumed, 3, second, run_dir, last, monkeypatch)  # mid-epoch again, on 3
-    assert "resumed at another layout: the run's global batch" in log and "kept on 3 process(es)" in log
+    assert "resumed: the run's global batch" in log and "is kept on 3 process(es)" in log
     end = torchrun(resumed, nproc=2)  # to the end, on 2
     assert end.returncode == 0, end.stderr[-3000:]
     assert "kept on 2 process(es)" in end.stdout + end.stderr

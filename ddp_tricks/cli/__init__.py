@@ -80,9 +80,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
 
 
 def default_name() -> str:
-    """A run's name without -n: the time it starts; on several nodes of one torchrun job, the job's rendezvous id,
-    which every node knows alike (their clocks may not agree to the second)."""
-    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+    """A run's name without -n: the time it starts; in a torchrun job of several nodes or with restarts, the job's
+    rendezvous id (--rdzv-id), which every node and every restart knows alike (clocks may not agree to the second)."""
+    several = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if several and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return f"run-{os.environ['TORCHELASTIC_RUN_ID']}"
     return time.strftime("%Y%m%d-%H%M%S")
 

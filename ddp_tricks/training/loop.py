@@ -101,6 +101,8 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
             t.reduction.after_backward(weight)
         if t.noise_parts is not None:  # one process: each micro-batch's gradient is a small batch's
             t.noise_parts.after_backward(weight, samples, t.precision.loss_scale())
+        elif t.noise is not None:  # DDP: this rank's gradient is one, read by the communication hook
+            t.noise.add_local(weight, samples)
         yield outputs, targets, loss, units, samples
     if t.noise_parts is not None:
         t.noise_parts.finish()
@@ -176,7 +178,7 @@ def train_one_epoch(
             t.epoch_units += units
             t.epoch_samples += samples
         if t.noise is not None:
-            noise.measure(t.noise, t.noise_parts, params, step.divisor, step.batch, t.precision.loss_scale())
+            noise.measure(t.noise, t.noise_parts, params, step.batch, t.precision.loss_scale())
         factor = step.lr_factor
         gain = t.reduction.finish(step.batch) if t.reduction is not None else 1.0
         if t.adascale is not None:

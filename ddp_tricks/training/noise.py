@@ -23,18 +23,29 @@ BETA = 0.99  # the moving average's weight: about the last 100 steps
 
 
 def not_measured(
-    world_size: int, accum_steps: int, strategy: str, traced: bool, whole_steps: bool, sparse: bool = False
+    world_size: int,
+    accum_steps: int,
+    strategy: str,
+    traced: bool,
+    whole_steps: bool,
+    sparse: bool = False,
+    global_loss: bool = False,
 ) -> str | None:
     """Why this run cannot measure the noise scale (None: it can). `whole_steps`: a step's gradient is made at once
-    (cached accumulation, Apex), with no micro-batch gradient of its own; `sparse`: some gradients are sparse."""
+    or scaled unseen (cached accumulation, Apex); `sparse`: some gradients are sparse; `global_loss`: the loss
+    gathers from every rank, so no rank has a gradient of its own samples."""
     if sparse:
         return "not with sparse gradients (an embedding's with sparse=True)"
+    if whole_steps:
+        return "not with cached accumulation or Apex"
+    if global_loss and world_size > 1:
+        return "not with a loss over the global batch (no rank's gradient is its own samples')"
     if strategy == "fsdp":
         return "not under --strategy fsdp (each rank holds slices of the gradients)"
     if traced:
         return "not with --batch-trace (its steps reduce gradients themselves)"
-    if world_size == 1 and (accum_steps == 1 or whole_steps):
-        return "it needs two batch sizes per step: 2+ processes, or --accum-steps 2+ (plain accumulation) on one"
+    if world_size == 1 and accum_steps == 1:
+        return "it needs two batch sizes per step: 2+ processes, or --accum-steps 2+ on one"
     return None
 
 
@@ -57,7 +68,10 @@ class NoiseScale:
         zeros = dict(dtype=torch.float64, device=device)
         self.averages = torch.zeros(2, **zeros)  # the moving averages of [tr(Sigma), |G|^2], not yet corrected
         self.weight = torch.zeros((), **zeros)  # what the averages' weights sum to: their bias correction
-        self.local = torch.zeros((), **zeros)  # this rank's gradient's squared norm, bucket by bucket (DDP's hook)
+        self.local = torch.zeros((), **zeros)  # this rank's gradient's squared norm (DDP's hook)
+        self.local_parts: torch.Tensor | None = None  # and by parameter, as the hook reads them
+        self.local_weight: float | torch.Tensor = 0.0  # what its micro-batches' mean losses were multiplied by, summed
+        self.local_samples = 0
         self._small_sum = torch.zeros((), **zeros)  # this step's small batches' squared norms, summed
         self._small_count = 0
         self._small_samples = 0
@@ -68,10 +82,22 @@ class NoiseScale:
         self._small_count += 1
         self._small_samples += samples
 
-    def close_local(self, samples: int) -> None:
-        """This rank's gradient before the all-reduce (its buckets' squared norms) as the step's small batch."""
-        self.small(self.local, samples)
+    def add_local(self, weight, samples: int) -> None:
+        """One micro-batch of this rank's step: its weight (its share of the step) and samples."""
+        self.local_weight = self.local_weight + weight
+        self.local_samples += samples
+
+    def close_local(self, loss_scale) -> None:
+        """This rank's gradient before the all-reduce (its buckets' squared norms) as the step's small batch: the
+        gradient of its micro-batches' weighted losses, so divided by their summed weight (and the loss scale) it is
+        the mean over its samples (its units, for a task with units())."""
+        if self.local_parts is not None:
+            self.local = self.local_parts.sum()
+            self.local_parts.zero_()
+        if self.local_samples:
+            self.small(self.local / (self.local_weight * loss_scale) ** 2, self.local_samples)
         self.local = torch.zeros_like(self.local)
+        self.local_weight, self.local_samples = 0.0, 0
 
     def big(self, sq_norm: torch.Tensor, samples: int) -> None:
         """The step's squared gradient norm (the mean over all its `samples`): the step's estimates enter the
@@ -116,14 +142,22 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).to(torch.float64).pow(2).sum()
 
 
-def ddp_hook(noise: NoiseScale):
-    """A DDP communication hook: each bucket's local squared norm into `noise.local`, then DDP's own all-reduce
-    (the mean over the ranks: what DDP does without a hook)."""
+def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):
+    """A DDP communication hook: the squared norm of each parameter's local gradient in its bucket, kept by the
+    parameter's place in `params` (so their sum does not depend on how DDP groups them into buckets, which it
+    changes after the first step: a resumed run sums as the uninterrupted one), then DDP's own all-reduce (the
+    mean over the ranks: what DDP does without a hook)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    place = {id(p): i for i, p in enumerate(params)}
+    noise.local_parts = torch.zeros(len(params), dtype=torch.float64, device=noise.local.device)
+
     def hook(process_group, bucket):
-        norm = torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32)
-        noise.local = noise.local + norm.to(torch.float64).square()
+        grads = bucket.gradients()
+        if grads:
+            index = torch.tensor([place[id(p)] for p in bucket.parameters()], device=noise.local.device)
+            norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64).square()
+            noise.local_parts.index_copy_(0, index, norms)
         return default_hooks.allreduce_hook(process_group, bucket)
 
     return hook
@@ -139,13 +173,18 @@ class MicroBatches:
         self._sums: list[torch.Tensor] | None = None
 
     def after_backward(self, weight, samples: int, scale) -> None:
-        """After a micro-batch's backward: `weight` multiplied its mean loss, `scale` the loss (fp16's, or 1)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        self.noise.small(squared_norm(grads) / (weight * scale) ** 2, samples)
+        """After a micro-batch's backward: `weight` multiplied its mean loss, `scale` the loss (fp16's, or 1). A
+        parameter no micro-batch gave a gradient keeps None (an optimizer then leaves it as it is)."""
+        grads = [p.grad for p in self.params]
+        present = [g for g in grads if g is not None]
+        if present:
+            self.noise.small(squared_norm(present) / (weight * scale) ** 2, samples)
         if self._sums is None:
             self._sums = grads
         else:
-            torch._foreach_add_(self._sums, grads)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    self._sums[i] = g if self._sums[i] is None else self._sums[i].add_(g)
         for p in self.params:
             p.grad = None
 
@@ -157,11 +196,11 @@ class MicroBatches:
         self._sums = None
 
 
-def measure(noise: NoiseScale, parts: MicroBatches | None, params, per_rank: int, batch: int, loss_scale) -> None:
-    """The end of a step's backward passes: its small batches (the ranks' gradients: `per_rank` samples each; or the
-    micro-batches, already in) and its gradient over `batch` samples, into the averages."""
+def measure(noise: NoiseScale, parts: MicroBatches | None, params, batch: int, loss_scale) -> None:
+    """The end of a step's backward passes: its small batches (this rank's gradient, or the micro-batches, already
+    in) and its gradient over `batch` samples, into the averages."""
     if parts is None:
-        noise.close_local(per_rank)
+        noise.close_local(loss_scale)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         noise.big(squared_norm(grads) / loss_scale**2, batch)
