@@ -152,10 +152,17 @@ def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):
     place = {id(p): i for i, p in enumerate(params)}
     noise.local_parts = torch.zeros(len(params), dtype=torch.float64, device=noise.local.device)
 
+    places: dict[tuple, torch.Tensor] = {}  # a bucket's parameters' places (DDP rebuilds its buckets once)
+
     def hook(process_group, bucket):
         grads = bucket.gradients()
         if grads:
-            index = torch.tensor([place[id(p)] for p in bucket.parameters()], device=noise.local.device)
+            bucket_params = bucket.parameters()
+            key = (bucket.index(), len(bucket_params), id(bucket_params[0]), id(bucket_params[-1]))
+            index = places.get(key)
+            if index is None:
+                index = torch.tensor([place[id(p)] for p in bucket_params], device=noise.local.device)
+                places[key] = index
             norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64).square()
             noise.local_parts.index_copy_(0, index, norms)
         return default_hooks.allreduce_hook(process_group, bucket)
