@@ -106,3 +106,23 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_one_line_and_leaves_t
     assert "launch a number of processes that divides it (1, 5)" in lines[0]
     assert (tmp_path / "odd" / "last.pt").read_bytes() == before
     assert checkpoint.load(tmp_path / "odd" / "last.pt")["epoch"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_traced_run_resumed_2_to_1_rank_mid_epoch_equals_the_uninterrupted_one(tmp_path, monkeypatch):
+    # the trace's batches (32 to 512) in micro-batches of 8 dealt round-robin: the same at any world size; no BatchNorm
+    # running statistics in the comparison, the model's BatchNorm batch statistics follow the micro-batches
+    flags = ["--task", "tests/rank_tasks.py:PreemptedDigits", "-l", "0.01", "--batch-size", "8",
+             "--batch-trace", "examples/traces/doubling.csv", "--trace-end", "repeat-last", "--epochs", "2",
+             "--no-progress", "--checkpoint-every-steps", "2", "--runs-dir", str(tmp_path)]  # fmt: skip
+    whole = torchrun([*flags, "-n", "whole"], nproc=2)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run_dir = tmp_path / "moved"
+    _stopped([*flags, "-n", "moved"], 2, 4 * 2, run_dir, "last.pt", monkeypatch)  # 2 ranks, in epoch 1
+    end = torchrun([*flags, "-n", "moved", "--resume", "auto"], nproc=1)
+    assert end.returncode == 0, end.stderr[-3000:]
+    assert [r["step"] for r in rows(tmp_path / "whole")] == [r["step"] for r in rows(run_dir)]
+    expected, got = parameters(tmp_path / "whole", "last.pt"), parameters(run_dir, "last.pt")
+    for name, value in expected.items():
+        assert ((got[name] - value).abs().max() / value.abs().max().clamp(min=1e-6)).item() <= 1e-4, name
