@@ -3,7 +3,9 @@ by run.py with the measurement (the default) and with `--no-noise-scale`, altern
 it is measured: 2 processes (DDP: a communication hook reads each rank's gradient) and one process with
 `--accum-steps 2` (each micro-batch's gradient kept apart). The step time is metrics.csv's epoch_seconds over the
 epoch's steps, the first epoch (warm-up) left out; the ratio is measured / not measured, the median over rounds of
-each round's ratio. The last line is one JSON object.
+each round's ratio. Then, with less noise, the one-process way in this process: the training loop's epochs
+(loop.train_one_epoch, the digits 4 times over, one thread) with and without the estimator, alternating. The last
+line is one JSON object.
 
     python bench/noise_scale.py [--rounds 5] [--epochs 4] [--batch-size 32]
 """
@@ -17,7 +19,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
+
+from ddp_tricks import cli, models, plan
+from ddp_tricks.data import images, loaders
+from ddp_tricks.schedules.curves import WarmupDecay
+from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.training import noise
+from ddp_tricks.training.loop import train_one_epoch
+from ddp_tricks.training.precision import Precision
+from ddp_tricks.training.state import Training
 
 REPO = Path(__file__).resolve().parent.parent
 WAYS = {"2 processes (DDP)": (2, 1), "1 process, --accum-steps 2": (1, 2)}
@@ -37,6 +51,45 @@ def epoch_step_seconds(args, processes: int, accum_steps: int, measured: bool, r
         rows = list(csv.DictReader(f))
     steps = [int(b["step"]) - int(a["step"]) for a, b in zip(rows, rows[1:])]
     return statistics.median(float(r["epoch_seconds"]) / s for r, s in zip(rows[1:], steps))
+
+
+def in_process(rounds: int, batch_size: int) -> dict:
+    """The training loop's step time with the estimator (one process, 2 micro-batches a step) over without it."""
+    torch.set_num_threads(1)
+    digits, _ = images.digits()
+    train_set = loaders.InMemoryDataset(digits.inputs.repeat(4, 1, 1, 1), digits.targets.repeat(4))
+    the_plan = plan.make(num_train=len(train_set), world_size=1, micro_batch=batch_size, accum_steps=2, epochs=1,
+                         seed=0, base_lr=0.01, lr_scaling="keep", base_batch=2 * batch_size,
+                         warmup_epochs=0)  # fmt: skip
+    flags, task_class = cli.parse([])
+    cpu = torch.device("cpu")
+
+    def training(measured: bool) -> Training:
+        torch.manual_seed(0)
+        model = models.build("toy", 1, 10, "default")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        estimator = noise.NoiseScale(cpu) if measured else None
+        parts = noise.MicroBatches(estimator, list(model.parameters())) if measured else None
+        return Training(model, optimizer, Schedule(WarmupDecay(optimizer, 0, 0)), task_class(flags), ["acc"],
+                        Precision("off", cpu), cpu, noise=estimator, noise_parts=parts)  # fmt: skip
+
+    loader = loaders.train_loader(train_set, 0, cpu, seed=0)
+    steps = the_plan.epoch(1, 0)
+    runs = {True: training(True), False: training(False)}
+    seconds = {True: [], False: []}
+    for _ in range(rounds + 1):  # the first round warms up
+        for measured in (False, True):
+            loader.batch_sampler.start(steps)
+            start = time.perf_counter()
+            train_one_epoch(runs[measured], steps, loader, log_interval=20)
+            seconds[measured].append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(seconds[True][1:], seconds[False][1:])]
+    return {
+        "ratio_median": statistics.median(ratios),
+        "ratios": sorted(round(x, 4) for x in ratios),
+        "step_ms_measured": 1e3 * statistics.median(seconds[True][1:]) / len(steps),
+        "step_ms_not_measured": 1e3 * statistics.median(seconds[False][1:]) / len(steps),
+    }
 
 
 def main() -> None:
@@ -62,6 +115,11 @@ def main() -> None:
             print(f"{way}: noise scale measured / not measured, per step: {result[way]['ratio_median']:.3f} "
                   f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {result[way]['step_ms_measured']:.2f} ms vs "
                   f"{result[way]['step_ms_not_measured']:.2f} ms)")  # fmt: skip
+    way = "1 process, --accum-steps 2, in this process"
+    result[way] = in_process(3 * args.rounds, args.batch_size // 2)
+    print(f"{way}: measured / not measured, per step: {result[way]['ratio_median']:.3f} (rounds "
+          f"{result[way]['ratios'][0]:.3f} to {result[way]['ratios'][-1]:.3f}; {result[way]['step_ms_measured']:.2f} "
+          f"ms vs {result[way]['step_ms_not_measured']:.2f} ms)")  # fmt: skip
     print(json.dumps(result))
 
 
