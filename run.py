@@ -118,6 +118,7 @@ def run(flags, task, process: launch.Launch) -> int:
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
     global_loss = seam.check_global_loss(task, model, train_set, collate, traced=plan.traced)  # gathers from ranks
     accumulation = cached.choose(task, plan.accum_steps, plan.traced, flags.amp_backend == "apex")  # None: plain
+    no_noise_scale = noise_note(flags, plan, process.world_size, accumulation, sparse, global_loss)  # None: measured
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
@@ -131,7 +132,9 @@ def run(flags, task, process: launch.Launch) -> int:
         group=flags.strategy == "fsdp",
         sigterm_grace=flags.sigterm_grace,
     )
-    t = build_training(flags, task, model, sum_names, plan, dist, units, sparse, global_loss, accumulation)
+    t = build_training(
+        flags, task, model, sum_names, plan, dist, units, sparse, global_loss, accumulation, no_noise_scale is None
+    )
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     collectives.require_same(
@@ -155,11 +158,10 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if plan.relayout:
         log.info("resumed: %s", plan.relayout)
-    why_not = noise_note(flags, plan, dist.world_size, accumulation, sparse, global_loss)
-    if why_not is None:
+    if no_noise_scale is None:
         log.info(noise.describe(dist.world_size, plan.micro_batch, plan.accum_steps, plan.global_batch))
     elif flags.noise_scale:
-        log.info("gradient noise scale: not measured: %s", why_not)
+        log.info("gradient noise scale: not measured: %s", no_noise_scale)
     if global_loss and plan.accum_steps > 1 and accumulation is None:
         log.info("the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation")
     if flags.deterministic:
@@ -287,10 +289,12 @@ def build_training(
     sparse,
     global_loss=False,
     accumulation=None,
+    measure_noise=False,
 ) -> Training:
     """The model on its device and wrapped (DDP) or sharded (FSDP), the optimizer (the parameters named in `sparse`
     get sparse gradients), the schedule, precision, best and early stopping; the task's loss gathers from every rank
-    (`global_loss`), and a step's micro-batches make its gradient by `accumulation` (None: plain)."""
+    (`global_loss`), a step's micro-batches make its gradient by `accumulation` (None: plain), and the gradient noise
+    scale is measured where `measure_noise`."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
     memory_format = torch.channels_last if flags.channels_last else torch.preserve_format
@@ -328,7 +332,7 @@ def build_training(
             find_unused_parameters=flags.find_unused_parameters,
         )
     params = [p for p in model.parameters() if p.requires_grad]
-    noise_scale, noise_parts = measured_noise(flags, plan, dist, model, params, accumulation, sparse, global_loss)
+    noise_scale, noise_parts = measured_noise(dist, model, params) if measure_noise else (None, None)
     if flags.compile:
         model = models.compiled(model)
     mode = cli.mode_of(task, flags.monitor)
@@ -369,11 +373,8 @@ def noise_note(flags, plan: planning.Plan, world_size: int, accumulation, sparse
     )
 
 
-def measured_noise(flags, plan: planning.Plan, dist: launch.Dist, model, params, accumulation, sparse, global_loss):
-    """The gradient noise scale's estimator and, in one process, its micro-batch reader; (None, None) where the run
-    does not measure it."""
-    if noise_note(flags, plan, dist.world_size, accumulation, sparse, global_loss) is not None:
-        return None, None
+def measured_noise(dist: launch.Dist, model, params):
+    """The gradient noise scale's estimator and, in one process, its micro-batch reader."""
     estimator = noise.NoiseScale(dist.device)
     if dist.world_size > 1:  # DDP: each rank's gradient, read as its buckets are all-reduced
         model.register_comm_hook(None, noise.ddp_hook(estimator, params))

@@ -5,12 +5,12 @@ loss is divided by, the step's global batch and LR factor), for plain, accumulat
 The plan does not depend on the world size beyond how the ranks split each step: step s of an epoch takes the
 samples at positions s*G .. (s+1)*G - 1 of the epoch's permutation (DistributedSampler's shuffle; G the global
 batch), cut into micro-batches ("slots", G / micro-batch of them: slot k takes every (G / micro-batch)-th sample
-from position k, as the k-th of that many DistributedSamplers would, unpadded), and rank r runs slots r,
-r + world, r + 2 world, ... So a run resumed at
-another world size (`layout`) takes the same samples in the same steps, grouped into the same micro-batches
-(BatchNorm sees what it saw); with another micro-batch (accumulation instead of a larger batch), the same samples
-in the same steps. The epoch's last step may be short (its micro-batches a sample apart in length); one that would
-leave a slot empty (fewer samples than slots) is left out: those samples skip this epoch.
+from position k, as the k-th of that many DistributedSamplers would, unpadded), and rank r runs slots r, r + world,
+r + 2 world, ... So a run resumed at another world size (`layout`) takes the same samples in the same steps,
+grouped into the same micro-batches (BatchNorm sees what it saw); with another micro-batch (accumulation instead of
+a larger batch), the same samples in the same steps. The epoch's last step may be short (its micro-batches a sample
+apart in length); one that would leave a slot empty (fewer samples than slots) is left out: those samples skip this
+epoch.
 """
 
 from __future__ import annotations

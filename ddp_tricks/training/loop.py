@@ -217,9 +217,9 @@ def train_one_epoch(
     counts = torch.tensor([t.epoch_samples, t.epoch_samples - start_sums[-1].item()], dtype=torch.float64)
     averages = [t.noise.corrected()] if t.noise is not None else []  # the ranks' moving averages, summed alike
     reduced = all_reduce_sum(torch.cat([running, units, counts.to(t.device), *averages])).tolist()
-    noise_sums = reduced[len(reduced) - 2 :] if averages else None
-    *total, units_all, samples_all, samples_now = reduced[: len(reduced) - len(averages) * 2]
-    measured = noise.report(noise_sums, t.world_size) if noise_sums else {}
+    split = len(reduced) - 2 * len(averages)
+    *total, units_all, samples_all, samples_now = reduced[:split]
+    measured = noise.report(reduced[split:], t.world_size) if averages else {}
     return (
         report(t.task, t.sum_names, "train", total, units_all)
         | measured

@@ -60,16 +60,15 @@ def describe(world_size: int, micro_batch: int, accum_steps: int, global_batch: 
 
 class NoiseScale:
     """The moving averages of the two unbiased estimates, on the device. A step gives its small batches'
-    squared gradient norms (`small`; under DDP the communication hook adds each bucket's into `local`, which
-    `close_local` makes one small batch), then the step's own (`big`), which enters the averages."""
+    squared gradient norms (`small`; under DDP the communication hook keeps each parameter's in `local_parts`,
+    which `close_local` makes one small batch), then the step's own (`big`), which enters the averages."""
 
     def __init__(self, device: torch.device, beta: float = BETA):
         self.beta = beta
         zeros = dict(dtype=torch.float64, device=device)
         self.averages = torch.zeros(2, **zeros)  # the moving averages of [tr(Sigma), |G|^2], not yet corrected
         self.weight = torch.zeros((), **zeros)  # what the averages' weights sum to: their bias correction
-        self.local = torch.zeros((), **zeros)  # this rank's gradient's squared norm (DDP's hook)
-        self.local_parts: torch.Tensor | None = None  # and by parameter, as the hook reads them
+        self.local_parts: torch.Tensor | None = None  # this rank's gradient's squared norms by parameter (DDP's hook)
         self.local_weight: float | torch.Tensor = 0.0  # what its micro-batches' mean losses were multiplied by, summed
         self.local_samples = 0
         self._small_sum = torch.zeros((), **zeros)  # this step's small batches' squared norms, summed
@@ -91,12 +90,9 @@ class NoiseScale:
         """This rank's gradient before the all-reduce (its buckets' squared norms) as the step's small batch: the
         gradient of its micro-batches' weighted losses, so divided by their summed weight (and the loss scale) it is
         the mean over its samples (its units, for a task with units())."""
-        if self.local_parts is not None:
-            self.local = self.local_parts.sum()
-            self.local_parts.zero_()
         if self.local_samples:
-            self.small(self.local / (self.local_weight * loss_scale) ** 2, self.local_samples)
-        self.local = torch.zeros_like(self.local)
+            self.small(self.local_parts.sum() / (self.local_weight * loss_scale) ** 2, self.local_samples)
+        self.local_parts.zero_()
         self.local_weight, self.local_samples = 0.0, 0
 
     def big(self, sq_norm: torch.Tensor, samples: int) -> None:
@@ -136,10 +132,15 @@ def report(corrected_sums: list[float], world_size: int) -> dict[str, float]:
     return {"noise_scale": scale, "grad_noise_trace": trace, "grad_sq_norm": grad_sq}
 
 
+def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """|g|^2 of each tensor, in float64 on the device (no host sync)."""
+    norms = torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads])
+    return torch.stack(norms).to(torch.float64).square()
+
+
 def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """sum |g|^2 over tensors, on the device (no host sync)."""
-    norms = torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads])
-    return torch.stack(norms).to(torch.float64).pow(2).sum()
+    return squared_norms(grads).sum()
 
 
 def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):
@@ -150,7 +151,8 @@ def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     place = {id(p): i for i, p in enumerate(params)}
-    noise.local_parts = torch.zeros(len(params), dtype=torch.float64, device=noise.local.device)
+    device = noise.averages.device
+    noise.local_parts = torch.zeros(len(params), dtype=torch.float64, device=device)
 
     places: dict[tuple, torch.Tensor] = {}  # a bucket's parameters' places (DDP rebuilds its buckets once)
 
@@ -161,10 +163,9 @@ def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):
             key = (bucket.index(), len(bucket_params), id(bucket_params[0]), id(bucket_params[-1]))
             index = places.get(key)
             if index is None:
-                index = torch.tensor([place[id(p)] for p in bucket_params], device=noise.local.device)
+                index = torch.tensor([place[id(p)] for p in bucket_params], device=device)
                 places[key] = index
-            norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64).square()
-            noise.local_parts.index_copy_(0, index, norms)
+            noise.local_parts.index_copy_(0, index, squared_norms(grads))
         return default_hooks.allreduce_hook(process_group, bucket)
 
     return hook
