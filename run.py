@@ -112,13 +112,19 @@ def run(flags, task, process: launch.Launch) -> int:
     state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
     # the run's global batch: a resumed run keeps its own at any world size, the layout adapting
     trains = not (flags.eval_only or flags.plot_lr)
-    plan = make_plan(flags, len(train_set), process.world_size, run_batch=planning.recorded(state) if trains else None)
+    run_batch = planning.recorded(state) if trains else None
+    plan = make_plan(flags, len(train_set), process.world_size, run_batch, state)
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     seam.check_sparse(sparse, flags.optimizer, flags.lars_wrap, flags.strategy, plan.traced, nccl)
     seam.check_batchnorm(model, train_set, collate, plan.smallest_micro_batch, plan.why_small())
     global_loss = seam.check_global_loss(task, model, train_set, collate, traced=plan.traced)  # gathers from ranks
     accumulation = cached.choose(task, plan.accum_steps, plan.traced, flags.amp_backend == "apex")  # None: plain
     no_noise_scale = noise_note(flags, plan, process.world_size, accumulation, sparse, global_loss)  # None: measured
+    if plan.auto and no_noise_scale is not None:
+        raise UserError(
+            f"--batch-trace auto follows the gradient noise scale, which this run cannot measure: "
+            f"{no_noise_scale}; give the batches with --batch-trace FILE instead"
+        )
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
@@ -159,7 +165,7 @@ def run(flags, task, process: launch.Launch) -> int:
     if plan.relayout:
         log.info("resumed: %s", plan.relayout)
     if no_noise_scale is None:
-        log.info(noise.describe(dist.world_size, plan.micro_batch, plan.accum_steps, plan.global_batch))
+        log.info(noise.describe(dist.world_size, plan.micro_batch, plan.accum_steps, plan.global_batch, plan.traced))
     elif flags.noise_scale:
         log.info("gradient noise scale: not measured: %s", no_noise_scale)
     if global_loss and plan.accum_steps > 1 and accumulation is None:
@@ -204,6 +210,12 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
         folder.path, t.rank == 0, every, preemption, vars(flags), flags.strategy, plan.summary()
     )
     for epoch in range(t.completed_epochs + 1, flags.epochs + 1):
+        if plan.auto and t.step_in_epoch == 0:  # the epoch's batch, from the noise scale measured so far
+            before = plan.rows(t.global_step)[-1] if t.global_step else plan.trace[0]
+            plan = plan.grown(measured_noise_scale(t), t.global_step)
+            checkpoints.plan = plan.summary()
+            if plan.trace[-1] != before:
+                log.info("--batch-trace auto: global batch %d -> %d from epoch %d", before, plan.trace[-1], epoch)
         steps = plan.epoch(epoch, t.rank, first_trace_step=t.global_step - t.step_in_epoch)
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
         show = not flags.no_progress and t.rank == 0
@@ -228,6 +240,8 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
         improved = t.end_epoch(row)  # plateau, best and early stopping, on the monitored metric
         folder.append(row)
         checkpoints.save(t, also_best=improved)
+        if plan.auto and t.rank == 0:  # the batches chosen so far: --batch-trace FILE replays them
+            batch_trace.write_trace(folder.path / "batch_trace.csv", plan.rows(t.global_step))
         log.info(
             "epoch %d: %s | lr %.4g | %.1fs, %.0f samples/s%s",
             epoch,
@@ -252,9 +266,23 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
     return 0
 
 
-def make_plan(flags, num_train: int, world_size: int, run_batch: tuple[int, int] | None = None) -> planning.Plan:
+def measured_noise_scale(t: Training) -> float:
+    """The gradient noise scale measured so far (nan before any step), rank 0's: every rank decides alike."""
+    trace, grad_sq = collectives.broadcast_floats(t.noise.corrected())
+    return trace / grad_sq if grad_sq > 0 else float("nan")
+
+
+def make_plan(
+    flags, num_train: int, world_size: int, run_batch: tuple[int, int] | None = None, state: dict | None = None
+) -> planning.Plan:
     """Every number derived from the flags, the world and the data, once (`run_batch`: a resumed run's global batch
-    and micro-batch, kept)."""
+    and micro-batch, kept; `state`: a resumed checkpoint, whose --batch-trace auto trace goes on)."""
+    trace = batch_trace.load_trace(flags.batch_trace) if flags.batch_trace not in (None, "auto") else None
+    max_global_batch = 0
+    if flags.batch_trace == "auto":
+        start = flags.batch_size * world_size * flags.accum_steps
+        trace = ((state or {}).get("plan") or {}).get("trace") or [start]
+        max_global_batch = flags.max_global_batch or min(16 * trace[0], num_train)
     return planning.make(
         num_train=num_train,
         world_size=world_size,
@@ -266,15 +294,16 @@ def make_plan(flags, num_train: int, world_size: int, run_batch: tuple[int, int]
         lr_scaling=flags.lr_scaling,
         base_batch=flags.base_batch_size,
         warmup_epochs=flags.warmup_epochs,
-        trace=batch_trace.load_trace(flags.batch_trace) if flags.batch_trace else None,
+        trace=trace,
         batch_lr_rule=flags.batch_lr_rule,
         ref_batch=flags.ref_batch_size,
-        trace_end=flags.trace_end,
+        trace_end="repeat-last" if max_global_batch else flags.trace_end,
         optimizer=flags.optimizer,
         lr_power=flags.lr_power,
         step_epochs=flags.step_epochs,
         drop_last=flags.drop_last,
         run_batch=run_batch,
+        max_global_batch=max_global_batch,
     )
 
 
@@ -332,7 +361,7 @@ def build_training(
             find_unused_parameters=flags.find_unused_parameters,
         )
     params = [p for p in model.parameters() if p.requires_grad]
-    noise_scale, noise_parts = measured_noise(dist, model, params) if measure_noise else (None, None)
+    noise_scale, noise_parts = measured_noise(dist, model, params, plan.traced) if measure_noise else (None, None)
     if flags.compile:
         model = models.compiled(model)
     mode = cli.mode_of(task, flags.monitor)
@@ -351,7 +380,7 @@ def build_training(
         clip_grad_norm=flags.clip_grad_norm,
         channels_last=flags.channels_last,
         on_nonfinite=flags.on_nonfinite,
-        reduction=batch_trace.TraceReduction(params, plan.micro_batch, adascale) if plan.traced else None,
+        reduction=batch_trace.TraceReduction(params, plan.micro_batch, adascale, noise_scale) if plan.traced else None,
         best=Best(flags.monitor, mode),
         early_stopping=early_stopping,
         accumulation=accumulation,
@@ -373,9 +402,11 @@ def noise_note(flags, plan: planning.Plan, world_size: int, accumulation, sparse
     )
 
 
-def measured_noise(dist: launch.Dist, model, params):
-    """The gradient noise scale's estimator and, in one process, its micro-batch reader."""
+def measured_noise(dist: launch.Dist, model, params, traced: bool):
+    """The gradient noise scale's estimator and, in one untraced process, its micro-batch reader."""
     estimator = noise.NoiseScale(dist.device)
+    if traced:  # the trace's reduction reads each micro-batch's gradient (TraceReduction)
+        return estimator, None
     if dist.world_size > 1:  # DDP: each rank's gradient, read as its buckets are all-reduced
         model.register_comm_hook(None, noise.ddp_hook(estimator, params))
         return estimator, None
@@ -401,7 +432,7 @@ def make_schedule(flags, plan: planning.Plan, optimizer, mode: str) -> schedule.
 def preview_lr(flags, plan: planning.Plan, mode: str, run_dir: Path) -> Path:
     """The LR of every step of the run (with a trace, times its batch's linear/root factor), drawn and listed."""
     lrs = schedule.lrs_over_run(
-        lambda opt: make_schedule(flags, plan, opt, mode), plan.lr, plan.total_steps, plan.lr_factor_at
+        lambda opt: make_schedule(flags, plan, opt, mode), plan.lr, plan.run_steps, plan.lr_factor_at, plan.progress_at
     )
     kind = decay_kind(flags.scheduler, flags.warmup_type)
     note = " (plateau cuts depend on the monitored metric: not shown)" if kind == "plateau" else ""
@@ -409,6 +440,8 @@ def preview_lr(flags, plan: planning.Plan, mode: str, run_dir: Path) -> Path:
         note += f", batch trace with the {plan.batch_lr_rule} rule"
         if plan.batch_lr_rule == "adascale":
             note += " (AdaScale's gain depends on the gradients: not shown)"
+        if plan.auto:
+            note += " (auto: shown at the start batch; the batches it grows to depend on the gradients)"
     title = (
         f"{kind} after {flags.warmup_epochs:g} warmup epochs, LR {plan.lr:.4g} (--lr-scaling {flags.lr_scaling}, "
         f"{plan.describe()}){note}"

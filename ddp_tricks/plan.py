@@ -15,7 +15,7 @@ epoch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -34,6 +34,7 @@ class Step:
     # under DDP (which averages the ranks' gradients), or the step's samples where the ranks' gradients are summed
     batch: int  # the step's global batch: samples over all ranks
     lr_factor: float = 1.0  # the step's LR is the schedule's x this (a trace's linear/root rule)
+    progress: float = 1.0  # how far the step advances the schedule: a traced step, its samples / the reference batch
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class Plan:
     seed: int
     lr: float  # the schedule's base LR: --base-lr after --lr-scaling
     global_batch: int  # samples per step (a traced run: the reference batch its LR is given for)
-    steps_per_epoch: int  # a traced run: the average, which the schedule counts epochs in
-    total_steps: int
+    steps_per_epoch: int  # a traced run: in steps of the reference batch (AdaScale: the average), as the schedule
+    total_steps: int  # the schedule's length (a traced run: in steps of the reference batch; AdaScale: in steps)
     warmup_steps: int
     trace: tuple[int, ...] | None = None
     batch_lr_rule: str = "none"
@@ -58,6 +59,25 @@ class Plan:
     drop_last: bool = False  # training leaves out the samples that do not fill a whole micro-batch of every slot
     relayout: str = ""  # how a resumed run keeps its global batch at this world size, when the layout changed
     run_micro_batch: int = 0  # the micro-batch the run started with, which a resume comes back to where it fits
+    max_global_batch: int = 0  # --batch-trace auto: the largest global batch it grows to (0: not auto)
+    run_steps: int = 0  # the optimizer steps of the whole run (a traced run: the trace's rows it uses; auto: so far)
+
+    @property
+    def auto(self) -> bool:
+        """--batch-trace auto: the trace is the run's own, grown at each epoch's start (`grown`)."""
+        return self.max_global_batch > 0
+
+    def rows(self, steps: int) -> list[int]:
+        """The global batch of each of the run's first `steps` steps (the trace, its last row repeated)."""
+        return [batch_trace.batch_at(list(self.trace), step, True) for step in range(steps)]
+
+    def grown(self, noise_scale: float, first_step: int) -> Plan:
+        """--batch-trace auto at an epoch's start (run step `first_step`): the plan whose trace goes on with the
+        batch the measured `noise_scale` asks for (batch_trace.next_batch) from this step."""
+        batch = batch_trace.batch_at(list(self.trace), max(first_step - 1, 0), True)  # the last step's
+        unit = self.micro_batch * self.world_size
+        new = batch_trace.next_batch(noise_scale, batch, unit, self.max_global_batch)
+        return replace(self, trace=tuple(self.rows(first_step)) + (new,))
 
     @property
     def slots(self) -> int:
@@ -74,6 +94,13 @@ class Plan:
         if not self.traced:
             return 1.0
         return lr_factor(self.batch_lr_rule, batch_trace.batch_at(list(self.trace), step, True), self.global_batch)
+
+    def progress_at(self, step: int) -> float:
+        """How far run step `step` advances the schedule, as far as the plan knows ahead (AdaScale's gain it does
+        not): a traced step, its batch over the reference batch."""
+        if not self.traced or self.batch_lr_rule == "adascale":
+            return 1.0
+        return batch_trace.batch_at(list(self.trace), step, True) / self.global_batch
 
     @property
     def smallest_micro_batch(self) -> int:
@@ -93,6 +120,11 @@ class Plan:
         )
 
     def describe(self) -> str:
+        if self.auto:
+            return (
+                f"global batch {self.trace[-1]} growing with the gradient noise scale up to {self.max_global_batch} "
+                f"(--batch-trace auto; micro-batches of {self.micro_batch}, LR given for {self.global_batch})"
+            )
         if self.traced:
             return (
                 f"global batch from the trace, {min(self.trace)}..{max(self.trace)} (LR given for {self.global_batch})"
@@ -114,7 +146,7 @@ class Plan:
             "train_samples": self.num_train,
             "lr_power": self.lr_power,
             "step_size": self.step_size,
-        }
+        } | ({"trace": list(self.trace)} if self.auto else {})
 
     def epoch(self, epoch: int, rank: int, first_trace_step: int = 0) -> list[Step]:
         """The steps of `epoch` on `rank`; a traced epoch starts at trace row `first_trace_step`."""
@@ -143,7 +175,9 @@ class Plan:
         ):
             mine = [m.tolist() for m in batch_trace.deal(indices, self.micro_batch, self.world_size, rank)]
             batch = len(indices)
-            steps.append(Step(mine, batch, batch, lr_factor(self.batch_lr_rule, batch, self.global_batch)))
+            factor = lr_factor(self.batch_lr_rule, batch, self.global_batch)
+            progress = 1.0 if self.batch_lr_rule == "adascale" else batch / self.global_batch  # AdaScale's: its gain
+            steps.append(Step(mine, batch, batch, factor, progress))
         return steps
 
 
@@ -168,6 +202,7 @@ def make(
     step_epochs: float = 1.0,
     drop_last: bool = False,
     run_batch: tuple[int, int] | None = None,
+    max_global_batch: int = 0,
 ) -> Plan:
     """The plan for these numbers; an impossible combination is a UserError that names the fix. `run_batch`: a
     resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
@@ -197,7 +232,7 @@ def make(
                 + (" or --accum-steps" if accum_steps > 1 else "")
             )
         steps_per_epoch = epoch_steps(num_train, global_batch, micro_batch, drop_last)
-        total_steps = epochs * steps_per_epoch
+        total_steps = run_steps = epochs * steps_per_epoch
     else:
         batch_trace.check_trace(trace, micro_batch)
         total_steps = batch_trace.steps_needed(num_train, trace, epochs, seed)
@@ -209,7 +244,12 @@ def make(
                 "extend it, train fewer epochs, or pass --trace-end repeat-last"
             )
         global_batch = ref_batch or trace[0]
-        steps_per_epoch = max(1, round(total_steps / epochs))
+        run_steps = total_steps
+        if batch_lr_rule == "adascale":  # counted in steps, each advancing the schedule by AdaScale's gain
+            steps_per_epoch = max(1, round(total_steps / epochs))
+        else:  # counted in steps of the reference batch: a step of B samples advances it by B / reference
+            steps_per_epoch = max(1, num_train // global_batch)
+            total_steps = epochs * steps_per_epoch
     return Plan(
         num_train=num_train,
         world_size=world_size,
@@ -229,6 +269,8 @@ def make(
         drop_last=drop_last and trace is None,
         relayout=relayout,
         run_micro_batch=run_micro_batch if trace is None else micro_batch,
+        max_global_batch=max_global_batch,
+        run_steps=run_steps,
     )
 
 

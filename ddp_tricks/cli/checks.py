@@ -37,7 +37,8 @@ ONLY_WITH = (
         "--optimizer lars or --lars-wrap",
     ),
     (("momentum", "nesterov"), lambda cfg: cfg.optimizer in ("sgd", "lars"), "--optimizer sgd or --optimizer lars"),
-    (("trace_end",), lambda cfg: cfg.batch_trace, "--batch-trace FILE"),
+    (("trace_end",), lambda cfg: cfg.batch_trace and cfg.batch_trace != "auto", "--batch-trace FILE"),
+    (("max_global_batch",), lambda cfg: cfg.batch_trace == "auto", "--batch-trace auto"),
     (
         ("ref_batch_size",),
         lambda cfg: cfg.batch_lr_rule in ("linear", "root") or (cfg.batch_trace and cfg.lr_scaling != "keep"),
@@ -142,8 +143,10 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
             f"--warmup-type cosine means cosine decay after warmup, but --scheduler {cfg.scheduler} asks for "
             f"another decay: keep --scheduler {cfg.scheduler} with --warmup-type linear, or use --scheduler cosine"
         )
-    if cfg.batch_trace and cfg.accum_steps > 1:
+    if cfg.batch_trace and cfg.batch_trace != "auto" and cfg.accum_steps > 1:
         raise UserError("--batch-trace sets the accumulation of every step itself: drop --accum-steps")
+    if cfg.batch_trace == "auto":
+        _check_auto_batch(cfg)
     if cfg.drop_last and cfg.batch_trace:
         raise UserError("--drop-last has nothing to drop in a traced run (a trace's batches are whole micro-batches)")
     if cfg.batch_lr_rule != "none" and not cfg.batch_trace:
@@ -168,6 +171,22 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
             import tensorboard  # noqa: F401
         except ImportError:
             raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+
+
+def _check_auto_batch(cfg: argparse.Namespace) -> None:
+    """--batch-trace auto grows the batch with the noise scale it measures from each step's micro-batches."""
+    if not cfg.noise_scale:
+        raise UserError("--batch-trace auto follows the gradient noise scale: drop --no-noise-scale")
+    if cfg.batch_lr_rule == "adascale":
+        raise UserError(
+            "--batch-trace auto takes --batch-lr-rule linear, root or none (LARS/LAMB's trust ratios): AdaScale's "
+            "schedule counts steps, which a batch chosen as the run goes cannot say ahead"
+        )
+    if cfg.accum_steps * _launch_world_size() < 2:
+        raise UserError(
+            "--batch-trace auto measures the noise scale from a step's micro-batches, and a step of one has no "
+            "second: start with --accum-steps 2 (or 2+ processes)"
+        )
 
 
 def _launch_world_size() -> int:

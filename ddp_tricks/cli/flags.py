@@ -353,8 +353,16 @@ def _batch_trace_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--batch-trace",
         default=None,
-        metavar="FILE",
-        help="CSV `step,batchsize`: the global batch of every optimizer step (multiples of --batch-size)",
+        metavar="FILE|auto",
+        help="CSV `step,batchsize`: the global batch of every optimizer step (multiples of --batch-size); auto: start "
+        "at --batch-size x processes x --accum-steps and grow at each epoch's start towards the measured gradient "
+        "noise scale, up to --max-global-batch, writing the trace to the run folder (batch_trace.csv)",
+    )
+    g.add_argument(
+        "--max-global-batch",
+        type=positive_int,
+        default=None,
+        help="--batch-trace auto: the largest global batch (default: 16 x the start batch, at most the training set)",
     )
     g.add_argument(
         "--trace-end",

@@ -70,6 +70,14 @@ def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def broadcast_floats(tensor: torch.Tensor) -> list[float]:
+    """Rank 0's values of a small tensor, on every rank, as floats (a host sync: off the hot path)."""
+    if _distributed():
+        tensor = tensor.clone()
+        dist.broadcast(tensor, 0)
+    return tensor.tolist()
+
+
 def gather_objects(value) -> list:
     """Every rank's picklable value, in rank order (only for small values, off the hot path)."""
     if not (dist.is_available() and dist.is_initialized()):

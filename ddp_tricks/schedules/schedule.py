@@ -62,17 +62,20 @@ class Schedule:
             self.per_step._last_lr = [group["lr"] for group in groups]
 
 
-def lrs_over_run(make_schedule, base_lr: float, total_steps: int, factor_at=lambda step: 1.0) -> list[float]:
-    """The LR every step of a run uses: the schedule stepped on a throwaway optimizer, times `factor_at(step)`."""
+def lrs_over_run(
+    make_schedule, base_lr: float, steps: int, factor_at=lambda step: 1.0, progress_at=lambda step: 1.0
+) -> list[float]:
+    """The LR each of a run's `steps` uses: the schedule stepped (by `progress_at(step)`) on a throwaway optimizer,
+    times `factor_at(step)`."""
     import torch
 
     probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
     schedule = make_schedule(probe)
     lrs = []
-    for step in range(total_steps):
+    for step in range(steps):
         lrs.append(probe.param_groups[0]["lr"] * factor_at(step))
         probe.step()
-        schedule.step()
+        schedule.step(progress_at(step))
     return lrs
 
 

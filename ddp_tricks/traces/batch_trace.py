@@ -5,6 +5,10 @@ mean gradient over the step's samples, with linear / root / AdaScale learning-ra
 How an epoch is cut: step i takes the next B_i samples of the epoch's permutation (seeded by seed + epoch).
 A step that would run past the end of the epoch is not taken: the remaining samples (fewer than B_i) are left
 out of that epoch, and the next epoch starts with trace step i.
+
+`--batch-trace auto` writes the trace as it goes: at each epoch's start the global batch grows towards the
+gradient noise scale measured so far (`next_batch`), and the rows it used are written to the run folder's
+batch_trace.csv, which `--batch-trace FILE` replays.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_tricks.errors import UserError
+from ddp_tricks.training.noise import squared_norm
 
 
 def lr_factor(rule: str, batch: float, ref_batch: float) -> float:
@@ -87,6 +92,29 @@ def check_trace(trace: list[int], micro_batch: int, where: list[str] | None = No
                 f"{label}: batch size {batch} is not a positive multiple of the micro-batch "
                 f"(--batch-size {micro_batch})"
             )
+
+
+def write_trace(path: Path, sizes: list[int]) -> None:
+    """The batch of every step so far as a CSV `step,batchsize` (steps from 1), which load_trace reads back;
+    written whole, then renamed into place (a reader never sees half a file)."""
+    path = Path(path)
+    partial = path.with_suffix(".csv.partial")
+    with open(partial, "w", newline="") as f:
+        f.write("step,batchsize\n")
+        f.writelines(f"{step},{batch}\n" for step, batch in enumerate(sizes, start=1))
+    partial.replace(path)
+
+
+def next_batch(noise_scale: float, batch: int, unit: int, ceiling: int) -> int:
+    """--batch-trace auto's rule, at an epoch's start: the global batch grows to the measured gradient noise scale
+    (McCandlish et al.'s critical batch, where a step costs about twice the fewest samples and takes about twice
+    the fewest steps), rounded down to a multiple of `unit` (the micro-batch x the processes), when that is larger
+    than `batch`: at most twice `batch` at a time, at most `ceiling`, never smaller (a noisy estimate does not
+    shrink it back)."""
+    if not math.isfinite(noise_scale) or noise_scale <= batch:
+        return batch
+    target = min(noise_scale, 2 * batch, ceiling)
+    return max(batch, int(target // unit) * unit)
 
 
 def batch_at(trace: list[int], step: int, repeat_last: bool) -> int | None:
@@ -164,14 +192,16 @@ class AdaScale:
 
 
 def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_norms, adascale: AdaScale | None,
-                     micro_batches: int) -> float:  # fmt: skip
+                     micro_batches: int, noise=None, batch: int = 0, loss_scale=1.0) -> float:  # fmt: skip
     """The end of a trace step, on every rank: one all-reduce sums each rank's share of the step's mean gradient
-    (every rank takes part, also one with no micro-batch, which adds exactly zero) and, for AdaScale, the
-    micro-batch gradients' squared norms; `p.grad` becomes the sum. Returns AdaScale's gain (one host sync), or 1.
-    """
-    if adascale and not isinstance(sq_norms, torch.Tensor):  # a rank with no micro-batch: a fill, no host copy
+    (every rank takes part, also one with no micro-batch, which adds exactly zero) and, for AdaScale or the noise
+    scale, the micro-batch gradients' squared norms; `p.grad` becomes the sum. The noise scale (`noise`) takes the
+    step's micro-batches as its small batches and the step's `batch` samples as its big one, the same on every
+    rank, on the device. Returns AdaScale's gain (one host sync), or 1."""
+    apart = adascale is not None or noise is not None
+    if apart and not isinstance(sq_norms, torch.Tensor):  # a rank with no micro-batch: a fill, no host copy
         sq_norms = torch.full((), float(sq_norms), dtype=torch.float64, device=params[0].device)
-    extras = [sq_norms.to(torch.float64).reshape(1)] if adascale else []
+    extras = [sq_norms.to(torch.float64).reshape(1)] if apart else []
     tensors = grads + extras
     if dist.is_available() and dist.is_initialized() and tensors:
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -179,9 +209,14 @@ def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_n
         torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
     for p, g in zip(params, grads):
         p.grad = g
+    if not apart:
+        return 1.0
+    mean_sq = squared_norm(grads)
+    if noise is not None:
+        noise.small(extras[0][0] / loss_scale**2, batch, count=micro_batches)
+        noise.big(mean_sq / loss_scale**2, batch)
     if adascale is None:
         return 1.0
-    mean_sq = sum(torch.sum(g.double() ** 2) for g in grads)
     sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
     return adascale.update(sum_sq, mean_sq, micro_batches)
 
@@ -191,34 +226,37 @@ class TraceReduction:
     micro-batch losses are divided by the step's global batch B and their gradients summed, then summed across
     ranks: the exact mean gradient over the B samples, however unevenly the ranks hold them."""
 
-    def __init__(self, params: list[torch.Tensor], micro_batch: int, adascale: AdaScale | None = None):
+    def __init__(self, params: list[torch.Tensor], micro_batch: int, adascale: AdaScale | None = None, noise=None):
         self.params = params
         self.micro_batch = micro_batch
         self.adascale = adascale
+        self.noise = noise  # the gradient noise scale's estimator (training/noise.py), or None
         self._accumulated: list[torch.Tensor] | None = None
         self._sq_norms = 0.0
 
     def after_backward(self, weight: float | torch.Tensor) -> None:
-        """With AdaScale, each micro-batch's gradient is kept apart for its squared norm; else grads accumulate.
-        `weight`: what the micro-batch's mean loss was multiplied by (its share of the step: b / B samples, or its
-        units over the step's)."""
-        if self.adascale is None:
+        """With AdaScale or the noise scale, each micro-batch's gradient is kept apart for its squared norm; else
+        grads accumulate. `weight`: what the micro-batch's mean loss was multiplied by (its share of the step: b / B
+        samples, or its units over the step's)."""
+        if self.adascale is None and self.noise is None:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        scale = 1 / weight  # the micro-batch's mean gradient g_j = grad / its share
-        self._sq_norms = self._sq_norms + sum(torch.sum((g.double() * scale) ** 2) for g in grads)
+        # the micro-batch's mean gradient g_j = grad / its share
+        self._sq_norms = self._sq_norms + squared_norm(grads) / (weight * weight)
         if self._accumulated is None:
             self._accumulated = [torch.zeros_like(p) for p in self.params]
         torch._foreach_add_(self._accumulated, grads)
         for p in self.params:
             p.grad = None
 
-    def finish(self, batch: int) -> float:
-        """All-reduce the step's gradients into p.grad; return AdaScale's gain (or 1)."""
+    def finish(self, batch: int, loss_scale=1.0) -> float:
+        """All-reduce the step's gradients into p.grad; return AdaScale's gain (or 1). `loss_scale`: fp16's, which
+        the noise scale's squared norms are divided by."""
         if self._accumulated is not None:
             grads = self._accumulated
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        gain = reduce_gradients(self.params, grads, self._sq_norms, self.adascale, -(-batch // self.micro_batch))
+        count = -(-batch // self.micro_batch)
+        gain = reduce_gradients(self.params, grads, self._sq_norms, self.adascale, count, self.noise, batch, loss_scale)
         self._accumulated, self._sq_norms = None, 0.0
         return gain

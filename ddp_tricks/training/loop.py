@@ -101,7 +101,7 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
             t.reduction.after_backward(weight)
         if t.noise_parts is not None:  # one process: each micro-batch's gradient is a small batch's
             t.noise_parts.after_backward(weight, samples, t.precision.loss_scale())
-        elif t.noise is not None:  # DDP: this rank's gradient is one, read by the communication hook
+        elif t.noise is not None and t.reduction is None:  # DDP: this rank's gradient is one, read by the hook
             t.noise.add_local(weight, samples)
         yield outputs, targets, loss, units, samples
     if t.noise_parts is not None:
@@ -177,10 +177,13 @@ def train_one_epoch(
                 running += row
             t.epoch_units += units
             t.epoch_samples += samples
-        if t.noise is not None:
-            noise.measure(t.noise, t.noise_parts, params, step.batch, t.precision.loss_scale())
+        if t.reduction is not None:  # a traced step: its gradients reduced (and its noise scale measured) here
+            gain = t.reduction.finish(step.batch, t.precision.loss_scale())
+        else:
+            gain = 1.0
+            if t.noise is not None:
+                noise.measure(t.noise, t.noise_parts, params, step.batch, t.precision.loss_scale())
         factor = step.lr_factor
-        gain = t.reduction.finish(step.batch) if t.reduction is not None else 1.0
         if t.adascale is not None:
             factor *= gain
         if skip_nonfinite and any_rank(step_nonfinite, t.device):  # the step's one host sync
@@ -189,7 +192,7 @@ def train_one_epoch(
             t.skipped_steps += 1
             step_nonfinite.zero_()
         else:
-            optimizer_step(t, params, factor, gain)
+            optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress)
         t.step_in_epoch = done
         if done % log_interval == 0:
             t.raise_if_nonfinite()
@@ -233,8 +236,9 @@ def train_one_epoch(
 
 
 def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1.0, progress: float = 1.0) -> None:
-    """One optimizer step at the schedule's LR x `lr_factor`, and one schedule step (by `progress` with AdaScale);
-    an fp16 step the scaler skips does not advance the schedule."""
+    """One optimizer step at the schedule's LR x `lr_factor`, and one schedule step, by `progress` (a traced step:
+    its samples over the reference batch's, or AdaScale's gain); an fp16 step the scaler skips does not advance the
+    schedule."""
     if t.schedule.warming_up or t.global_step % 10 == 0:
         t.lr_log.append((t.global_step + 1, t.lr * lr_factor))  # host floats: no sync
     took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
@@ -242,7 +246,7 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
     if not took_step:
         t.skipped_steps += 1
         return
-    t.schedule.step(progress if t.adascale is not None else 1.0)  # AdaScale: scale-invariant progress, by r
+    t.schedule.step(progress)
 
 
 @torch.no_grad()

@@ -10,7 +10,9 @@ taken, as the paper does. |G_small|^2 is the mean over the step's small batches:
 - under DDP (2+ processes), each rank's gradient before the all-reduce (a communication hook: no extra pass, no
   extra collective), B_small its samples in the step;
 - in one process with accumulation, each micro-batch's gradient (kept apart as it is computed), B_small its
-  samples.
+  samples;
+- in a traced run (--batch-trace), each micro-batch's gradient on every rank, its squared norm summed over the
+  ranks in the step's one all-reduce (traces/batch_trace.py), so every rank's averages are the same.
 Everything stays on the device: no host sync in a step. The per-rank averages are linear in |G_small|^2, so the
 ranks' moving averages are averaged once, at the end of the epoch, inside the epoch's one all-reduce.
 """
@@ -43,14 +45,16 @@ def not_measured(
     if strategy == "fsdp":
         return "not under --strategy fsdp (each rank holds slices of the gradients)"
     if traced:
-        return "not with --batch-trace (its steps reduce gradients themselves)"
+        return None  # a traced step's micro-batches are its small batches (TraceReduction); a step of one is skipped
     if world_size == 1 and accum_steps == 1:
         return "it needs two batch sizes per step: 2+ processes, or --accum-steps 2+ on one"
     return None
 
 
-def describe(world_size: int, micro_batch: int, accum_steps: int, global_batch: int) -> str:
+def describe(world_size: int, micro_batch: int, accum_steps: int, global_batch: int, traced: bool = False) -> str:
     """Where a run's small batches come from, for its log."""
+    if traced:
+        return f"gradient noise scale: measured from each micro-batch's gradient ({micro_batch} samples) and the step's"
     if world_size > 1:
         small, source = micro_batch * accum_steps, "each rank's gradient"
     else:
@@ -75,10 +79,11 @@ class NoiseScale:
         self._small_count = 0
         self._small_samples = 0
 
-    def small(self, sq_norm: torch.Tensor, samples: int) -> None:
-        """One small batch's squared gradient norm (the gradient of its mean loss), and its samples."""
+    def small(self, sq_norm: torch.Tensor, samples: int, count: int = 1) -> None:
+        """One small batch's squared gradient norm (the gradient of its mean loss), and its samples; or `count`
+        small batches' squared norms summed, and their samples."""
         self._small_sum = self._small_sum + sq_norm.to(torch.float64)
-        self._small_count += 1
+        self._small_count += count
         self._small_samples += samples
 
     def add_local(self, weight, samples: int) -> None:
