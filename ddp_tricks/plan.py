@@ -223,6 +223,11 @@ def make(
                     f"; the run's micro-batch was {run_micro}: the steps keep their samples, a model with BatchNorm "
                     "normalizes over other groups of them"
                 )
+    if max_global_batch and trace[-1] == micro_batch:  # --batch-trace auto at one micro-batch a step
+        raise UserError(
+            "--batch-trace auto measures the noise scale from a step's micro-batches, and a step of one has no "
+            "second: start with --accum-steps 2 (or 2+ processes)"
+        )
     if trace is None:
         global_batch = micro_batch * world_size * accum_steps
         if global_batch > num_train:

@@ -18,7 +18,7 @@ def load_sweep():
 def recording_sweep(monkeypatch):
     """(the sweep module, the list its cells' commands are appended to): no cell runs, no figure is drawn."""
     sweep, commands = load_sweep(), []
-    monkeypatch.setattr(sweep, "summarise", lambda run_dir, metric: {})
+    monkeypatch.setattr(sweep, "summarise", lambda run_dir, metric, target=None: {})
     monkeypatch.setattr(sweep.run_folder, "read_config", lambda run_dir: {})
     monkeypatch.setattr(sweep, "over_seeds", lambda runs: {})
     monkeypatch.setattr(sweep, "write_results", lambda *a: None)

@@ -233,7 +233,7 @@ SMALL = [
     f"{data}-{optimizer}.toml"
     for data in ("digits", "mnist", "mnist-large-batch")
     for optimizer in ("sgd", "lars", "lamb")
-]
+] + ["mnist-auto-batch-sgd.toml"]  # the large-batch SGD recipe with --batch-trace auto
 
 
 def _resolve(path: Path, tmp_path: Path):
@@ -315,6 +315,8 @@ def test_the_recipes_for_data_that_ships_here_train_one_epoch(name, tmp_path, mo
     argv = ["--config", f"recipes/{name}", "--epochs", "1", "-n", "one", "--runs-dir", str(tmp_path), "--no-progress"]
     if cfg.warmup_epochs > 1:
         argv += ["--warmup-epochs", "1"]
+    if cfg.batch_trace == "auto":  # one process here: two micro-batches a step to measure the noise scale from
+        argv += ["--accum-steps", "2"]
     assert run.main(argv) == 0, capsys.readouterr().err
     saved = json.loads((tmp_path / "one" / "config.json").read_text())
     assert saved["config_file"] == str(path.resolve()) and saved["optimizer"] == cfg.optimizer

@@ -85,7 +85,14 @@ def runs(tmp_path_factory):
     assert "gradient noise scale: measured from each rank's gradient (16 samples) and the step's (32)" in two.stdout
     half = torchrun([*FLAGS, "--amp", "fp16", "-n", "half", "--runs-dir", str(root)])
     assert half.returncode == 0, half.stderr[-3000:]
-    measured = {"one process, 2 micro-batches": "one", "2 ranks": "two", "2 ranks, fp16": "half"}
+    auto = ["--batch-trace", "auto", "--max-global-batch", "32"]  # a traced run: its micro-batches are the small ones
+    traced_one = python_run([*FLAGS, *auto, "--accum-steps", "2", "-n", "traced-one", "--runs-dir", str(root)])
+    assert traced_one.returncode == 0, traced_one.stderr[-3000:]
+    assert "measured from each micro-batch's gradient (16 samples)" in traced_one.stdout
+    traced_two = torchrun([*FLAGS, *auto, "-n", "traced-two", "--runs-dir", str(root)])
+    assert traced_two.returncode == 0, traced_two.stderr[-3000:]
+    measured = {"one process, 2 micro-batches": "one", "2 ranks": "two", "2 ranks, fp16": "half",
+                "traced, one process": "traced-one", "traced, 2 ranks": "traced-two"}  # fmt: skip
     return {name: rows(root / run) for name, run in measured.items()}
 
 
@@ -105,8 +112,8 @@ def test_at_fixed_weights_the_estimates_match_the_per_sample_gradients(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_measure_what_one_process_measures_from_two_micro_batches(runs):
-    one, two, _ = runs.values()
-    assert len(one) == len(two) == 4
-    for a, b in zip(one, two):
+    one, two, _, traced_one, traced_two = runs.values()
+    assert len(one) == len(two) == len(traced_one) == len(traced_two) == 4
+    for a, b in [*zip(one, two), *zip(traced_one, traced_two)]:  # a traced step deals its micro-batches alike
         for column in COLUMNS:
             assert b[column] == pytest.approx(a[column], rel=1e-6), column

@@ -126,14 +126,30 @@ def run_cell(args, name: str, flags: list[str], epochs: int) -> Path:
     return run_dir
 
 
-def summarise(run_dir: Path, metric: dict) -> dict:
+def to_target(rows: list[dict], values: list[float], target: float | None, better: str) -> tuple[int, int] | None:
+    """(optimizer steps, training samples) up to the end of the first epoch whose value reaches `target` (None: no
+    epoch does, or no target). An epoch's samples: its steps times its mean global batch (metrics.csv)."""
+    if target is None:
+        return None
+    samples, step = 0.0, 0
+    for row, value in zip(rows, values):
+        samples += (row["step"] - step) * row["global_batch"]
+        step = int(row["step"])
+        if (value >= target) if better == "max" else (value <= target):
+            return step, round(samples)
+    return None
+
+
+def summarise(run_dir: Path, metric: dict, target: float | None = None) -> dict:
     """One cell's numbers: its global batch and LR, the headline metric (`run_folder.headline`) after the last
-    epoch and at its best epoch, in the metric's unit, and its time."""
+    epoch and at its best epoch, in the metric's unit, the steps and samples to reach `target` (in that unit), and
+    its time."""
     rows = plots.read_metrics(run_dir)
     config = run_folder.read_config(run_dir)
     wall = run_dir / "sweep_wall_seconds.txt"
     values = [metric["scale"] * r[metric["column"]] for r in rows]
     return {
+        "to_target": to_target(rows, values, target, metric["better"]),
         "batch": config["global_batch_size"],
         "lr": config["effective_lr"],
         "value": values[-1],
@@ -147,7 +163,11 @@ def over_seeds(cells: list[dict]) -> dict:
     """One table cell from a batch size's runs (one per seed): mean, sample standard deviation, min and max of
     the final value; mean of the best epochs; mean time to train."""
     values = [c["value"] for c in cells]
+    reached = [c["to_target"] for c in cells if c.get("to_target")]
     return {
+        "reached": len(reached),
+        "steps_to_target": statistics.fmean(r[0] for r in reached) if reached else None,
+        "samples_to_target": statistics.fmean(r[1] for r in reached) if reached else None,
         "batch": cells[0]["batch"],
         "lr": cells[0]["lr"],
         "runs": len(cells),
@@ -161,9 +181,11 @@ def over_seeds(cells: list[dict]) -> dict:
     }
 
 
-def write_results(out: Path, results: dict[str, list[dict]], command: str, metric: dict) -> None:
+def write_results(
+    out: Path, results: dict[str, list[dict]], command: str, metric: dict, target: float | None = None
+) -> None:
     """results: label -> one over_seeds() dict per batch size, smallest batch first; `metric`: what they hold
-    (`run_folder.headline`)."""
+    (`run_folder.headline`); `target`: the value whose steps and samples to reach the tables give."""
     smallest = min(c["batch"] for cells in results.values() for c in cells)
     at_smallest = [c["value"] for cells in results.values() for c in cells if c["batch"] == smallest]
     reference = max(at_smallest) if metric["better"] == "max" else min(at_smallest)
@@ -171,21 +193,29 @@ def write_results(out: Path, results: dict[str, list[dict]], command: str, metri
     unit = f" {metric['unit']}" if metric["unit"] else ""
     gap = " pt" if metric["unit"] == "%" else ""
     lines = ["# Batch-size sweep", "", f"Regenerate: `{command}`", ""]
+    reach = f" steps to {target:g}{unit} | samples to {target:g}{unit} |" if target is not None else ""
     for label, cells in results.items():
         lines += [
             f"## {label}",
             "",
-            f"| Batch | Base LR | {metric['title']}, final | vs best batch-{smallest} | best epoch | time to train "
-            "| runs |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| Batch | Base LR | {metric['title']}, final | vs best batch-{smallest} | best epoch |{reach} time to "
+            "train | runs |",
+            "| --- | --- | --- | --- | --- |" + " --- | --- |" * (target is not None) + " --- | --- |",
         ]
         for c in cells:
             spread = ""
             if c["runs"] > 1:
                 spread = f" ± {c['value_std']:.2f} ({c['value_min']:.2f}–{c['value_max']:.2f})"
+            reached = ""
+            if target is not None:
+                of = f" ({c['reached']} of {c['runs']} runs)" if c["reached"] < c["runs"] else ""
+                if c["reached"]:
+                    reached = f" {c['steps_to_target']:,.0f}{of} | {c['samples_to_target']:,.0f}{of} |"
+                else:
+                    reached = " not reached | not reached |"
             lines.append(
                 f"| {c['batch']} | {c['lr']:.4g} | {c['value']:.2f}{unit}{spread} | {c['value'] - reference:+.2f}{gap} "
-                f"| {c['best']:.2f}{unit} | {c['seconds']:.1f} s | {c['runs']} |"
+                f"| {c['best']:.2f}{unit} |{reached} {c['seconds']:.1f} s | {c['runs']} |"
             )
         lines.append("")
     lines += [
@@ -194,7 +224,13 @@ def write_results(out: Path, results: dict[str, list[dict]], command: str, metri
         f"batch-{smallest}: the difference from the best mean at the smallest batch ({reference:.2f}{unit}). best "
         f"epoch: {metric['title']} at each run's best epoch, the mean over the runs. Time to train: the mean sum "
         "of the epochs' training times, "
-        "without start-up or evaluation.",
+        "without start-up or evaluation."
+        + (
+            f" Steps / samples to {target:g}{unit}: up to the end of the first epoch whose validation value reaches "
+            "it, the mean over the runs that reach it. A cell with --batch-trace auto: Batch is its start batch."
+            if target is not None
+            else ""
+        ),
         "",
         f"Wall time of the cells, start-up and evaluation included: {wall / 60:.1f} min"
         + (
@@ -246,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", default=None, metavar="NAME",
                         help="the validation metric of the tables (default: the runs' monitored metric, or the "
                              "task's first reported one where they monitor the loss)")  # fmt: skip
+    parser.add_argument("--target", type=float, default=None, metavar="VALUE",
+                        help="also tabulate the optimizer steps and samples until the metric first reaches VALUE "
+                             "(in the tables' unit, e.g. 98 for 98 %%)")  # fmt: skip
     parser.add_argument("--recipes", nargs="+", default=None, metavar="FILE.toml",
                         help="one table line per file, which says everything but the batch and the seed")  # fmt: skip
     args = parser.parse_args(argv)
@@ -291,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as error:
                 print(f"error: --metric: {error}", file=sys.stderr)
                 return 2
-        runs.setdefault((label, batch), []).append(summarise(run_dir, metric))
+        runs.setdefault((label, batch), []).append(summarise(run_dir, metric, args.target))
     results: dict[str, list[dict]] = {}
     for (label, _), cell_runs in runs.items():
         results.setdefault(label, []).append(over_seeds(cell_runs))
     command = "python tools/sweep.py " + " ".join(argv + (["--", *extra] if extra else []))
-    write_results(out, results, command, metric)
+    write_results(out, results, command, metric, args.target)
     plots.accuracy_vs_batch(results, out / "accuracy_vs_batch.png", metric)
     plots.overlay(run_dirs, out / "curves.png", metric)
     print(f"results: {out / 'results.md'}, {out / 'accuracy_vs_batch.png'}, {out / 'curves.png'}")

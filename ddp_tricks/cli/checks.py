@@ -182,11 +182,6 @@ def _check_auto_batch(cfg: argparse.Namespace) -> None:
             "--batch-trace auto takes --batch-lr-rule linear, root or none (LARS/LAMB's trust ratios): AdaScale's "
             "schedule counts steps, which a batch chosen as the run goes cannot say ahead"
         )
-    if cfg.accum_steps * _launch_world_size() < 2:
-        raise UserError(
-            "--batch-trace auto measures the noise scale from a step's micro-batches, and a step of one has no "
-            "second: start with --accum-steps 2 (or 2+ processes)"
-        )
 
 
 def _launch_world_size() -> int:
