@@ -378,3 +378,49 @@ def test_the_sweep_reports_mean_and_spread_over_seeds(tmp_path):
     assert "Wall time of the cells, start-up and evaluation included: 2.0 min" in text
     sweep.plots.accuracy_vs_batch(results, tmp_path / "acc.png", accuracy)
     assert (tmp_path / "acc.png").stat().st_size > 0
+
+
+def test_the_sweep_runs_every_line_at_each_lr_of_the_grid(tmp_path, monkeypatch):
+    """--lr-grid: each recipe's own LR times each factor, every batch and seed; the cell name says the factor."""
+    sweep, commands = recording_sweep(monkeypatch)
+    monkeypatch.setattr(sweep, "best_of_grid", lambda grid, better: (next(iter(grid)), {}))  # nothing was run
+    path = _write(tmp_path, 'optimizer = "lamb"\nbase-lr = 0.03\nlr-scaling = "sqrt"\nbase-batch-size = 64\n')
+    argv = ["--recipes", str(path), "--batch-sizes", "64", "--lr-grid", "0.5", "2", "--out", str(tmp_path / "out")]
+    assert sweep.main(argv) == 0
+    parsed = [config.parse(cmd[cmd.index(str(REPO / "run.py")) + 1 :])[0] for cmd in commands]
+    assert [(cfg.name, cfg.base_lr) for cfg in parsed] == [("flags-b64-lr0.5x", 0.015), ("flags-b64-lr2x", 0.06)]
+
+
+def test_the_sweep_reports_the_best_lr_of_the_grid_and_the_steps_to_a_target(tmp_path):
+    sweep = load_sweep()
+    cell = lambda lr, acc, reached: {  # noqa: E731
+        "batch": 512, "lr": lr, "value": acc, "best": acc, "seconds": 1.0, "wall": 1.0, "to_target": reached,
+    }  # fmt: skip
+    grid = {0.5: sweep.over_seeds([cell(0.05, 97.0, None)]), 1.0: sweep.over_seeds([cell(0.1, 98.5, (300, 9600))]),
+            2.0: sweep.over_seeds([cell(0.2, 98.1, (250, 8000)), cell(0.2, 98.3, (350, 11200))])}  # fmt: skip
+    best, chosen = sweep.best_of_grid(grid, "max")
+    assert best == 1.0 and chosen["value"] == 98.5  # the best mean final value, not the fastest to the target
+    assert chosen["grid"] == [(0.05, 97.0, False), (0.1, 98.5, True), (0.2, pytest.approx(98.2), False)]
+    assert grid[2.0]["steps_to_target"] == 300 and grid[2.0]["samples_to_target"] == 9600  # the mean of both runs
+    assert grid[0.5]["reached"] == 0 and grid[0.5]["steps_to_target"] is None
+    accuracy = {"name": "acc", "column": "val_acc", "title": "top-1 accuracy", "unit": "%", "better": "max",
+                "scale": 100.0}  # fmt: skip
+    sweep.write_results(tmp_path, {"sgd": [chosen]}, "python tools/sweep.py ...", accuracy, target=98)
+    text = (tmp_path / "results.md").read_text()
+    assert (
+        "| 512 | 0.1 | 98.50 % | +0.00 pt | 98.50 % | 300 | 9,600 | 1.0 s | 1 "
+        "| 0.05: 97.00, **0.1: 98.50**, 0.2: 98.20 |" in text
+    )
+
+
+def test_steps_and_samples_to_a_target_count_each_epoch_at_its_own_batch():
+    sweep = load_sweep()
+    rows = [
+        {"step": 100, "global_batch": 64.0},
+        {"step": 150, "global_batch": 128.0},
+        {"step": 175, "global_batch": 256.0},
+    ]
+    assert sweep.to_target(rows, [90.0, 97.9, 98.0], 98, "max") == (175, 100 * 64 + 50 * 128 + 25 * 256)
+    assert sweep.to_target(rows, [90.0, 98.5, 99.0], 98, "max") == (150, 100 * 64 + 50 * 128)
+    assert sweep.to_target(rows, [90.0, 91.0, 92.0], 98, "max") is None
+    assert sweep.to_target(rows, [3.0, 2.0, 1.0], 2.5, "min") == (150, 100 * 64 + 50 * 128)

@@ -90,15 +90,29 @@ def variants(args) -> list[tuple[str, list[str]]]:
     return result
 
 
-def cell_name(label: str, batch: int, seed: int | None) -> str:
-    return f"{label}-b{batch}" + (f"-s{seed}" if seed is not None else "")
+def cell_name(label: str, batch: int, seed: int | None, lr_times: float | None = None) -> str:
+    return f"{label}-b{batch}" + (f"-lr{lr_times:g}x" if lr_times else "") + (f"-s{seed}" if seed is not None else "")
 
 
-def cell_flags(args, label: str, flags: list[str], batch: int, seed: int | None, extra: list[str]) -> list[str]:
-    """run.py's flags for one cell."""
+def best_of_grid(grid: dict[float | None, dict], better: str) -> tuple[float | None, dict]:
+    """The grid point (LR multiplier) whose runs' mean final value is best, and its over_seeds() dict, which also
+    lists every point's (LR, mean final value) under "grid" (one point without a grid: nothing listed)."""
+    if len(grid) == 1:
+        (only,) = grid
+        return only, grid[only] | {"grid": []}
+    pick = max if better == "max" else min
+    best = pick(grid, key=lambda m: grid[m]["value"])
+    listed = [(grid[m]["lr"], grid[m]["value"], m == best) for m in sorted(grid, key=lambda m: grid[m]["lr"])]
+    return best, grid[best] | {"grid": listed}
+
+
+def cell_flags(
+    args, label: str, flags: list[str], batch: int, seed: int | None, extra: list[str], times: float | None = None
+) -> list[str]:
+    """run.py's flags for one cell (`times`: its point of the LR grid)."""
     return [
         *flags, "--batch-size", str(batch // args.nproc), *(["--seed", str(seed)] if seed is not None else []),
-        "-n", cell_name(label, batch, seed), "--runs-dir", str(Path(args.out) / "cells"), "--no-progress",
+        "-n", cell_name(label, batch, seed, times), "--runs-dir", str(Path(args.out) / "cells"), "--no-progress",
         "--resume", "auto", *extra,
     ]  # fmt: skip
 
@@ -194,13 +208,17 @@ def write_results(
     gap = " pt" if metric["unit"] == "%" else ""
     lines = ["# Batch-size sweep", "", f"Regenerate: `{command}`", ""]
     reach = f" steps to {target:g}{unit} | samples to {target:g}{unit} |" if target is not None else ""
+    gridded = any(c.get("grid") for cells in results.values() for c in cells)
     for label, cells in results.items():
         lines += [
             f"## {label}",
             "",
             f"| Batch | Base LR | {metric['title']}, final | vs best batch-{smallest} | best epoch |{reach} time to "
-            "train | runs |",
-            "| --- | --- | --- | --- | --- |" + " --- | --- |" * (target is not None) + " --- | --- |",
+            "train | runs |" + (" LR grid: final value at each LR |" if gridded else ""),
+            "| --- | --- | --- | --- | --- |"
+            + " --- | --- |" * (target is not None)
+            + " --- | --- |"
+            + " --- |" * gridded,
         ]
         for c in cells:
             spread = ""
@@ -216,10 +234,25 @@ def write_results(
             lines.append(
                 f"| {c['batch']} | {c['lr']:.4g} | {c['value']:.2f}{unit}{spread} | {c['value'] - reference:+.2f}{gap} "
                 f"| {c['best']:.2f}{unit} |{reached} {c['seconds']:.1f} s | {c['runs']} |"
+                + (
+                    " "
+                    + ", ".join(
+                        f"{'**' if b else ''}{lr:.3g}: {v:.2f}{'**' if b else ''}" for lr, v, b in c.get("grid", [])
+                    )
+                    + " |"
+                    if gridded
+                    else ""
+                )  # fmt: skip
             )
         lines.append("")
     lines += [
-        f"Base LR: the LR after scaling for that batch. {metric['title']}, final: the validation value after the "
+        (
+            "LR grid: each line's LR times each --lr-grid factor, run at every batch (and seed); the table gives the "
+            "LR whose mean final value is best (in bold in the grid column). "
+            if gridded
+            else ""
+        )
+        + f"Base LR: the LR after scaling for that batch. {metric['title']}, final: the validation value after the "
         "last epoch, the mean over the runs (one per seed) ± their sample standard deviation (min–max). vs best "
         f"batch-{smallest}: the difference from the best mean at the smallest batch ({reference:.2f}{unit}). best "
         f"epoch: {metric['title']} at each run's best epoch, the mean over the runs. Time to train: the mean sum "
@@ -282,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", default=None, metavar="NAME",
                         help="the validation metric of the tables (default: the runs' monitored metric, or the "
                              "task's first reported one where they monitor the loss)")  # fmt: skip
+    parser.add_argument("--lr-grid", type=float, nargs="+", default=None, metavar="FACTOR",
+                        help="run every cell at its LR times each FACTOR (e.g. 0.25 0.5 1 2) and tabulate the best, "
+                             "with the grid beside it: each line at its own tuned LR")  # fmt: skip
     parser.add_argument("--target", type=float, default=None, metavar="VALUE",
                         help="also tabulate the optimizer steps and samples until the metric first reaches VALUE "
                              "(in the tables' unit, e.g. 98 for 98 %%)")  # fmt: skip
@@ -304,40 +340,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: batch sizes {bad} do not divide by --nproc {args.nproc}", file=sys.stderr)
         return 2
     seeds = args.seeds or [None]
-    cells = []  # (label, batch, seed, name, flags, epochs)
+    cells = []  # (label, batch, LR factor, seed, name, flags, epochs)
     for label, flags in variants(args):
         for batch in sorted(args.batch_sizes):
-            for seed in seeds:  # a mistake in any cell's flags, before the first cell starts and writes
-                name, full = cell_name(label, batch, seed), cell_flags(args, label, flags, batch, seed, extra)
-                try:
-                    cfg, _ = cli.parse(full)
-                except cli.UserError as error:
-                    print(f"error: cell {name}: {error}", file=sys.stderr)
-                    return 2
-                cells.append((label, batch, seed, name, full, cfg.epochs))
+            for times in args.lr_grid or [None]:
+                for seed in seeds:  # a mistake in any cell's flags, before the first cell starts and writes
+                    name = cell_name(label, batch, seed, times)
+                    full = cell_flags(args, label, flags, batch, seed, extra, times)
+                    try:
+                        cfg, _ = cli.parse(full)
+                        if times:  # the line's LR (its own flag, recipe or run.py's default) times the factor
+                            full = [*full, "--base-lr", f"{cfg.base_lr * times:.6g}"]
+                            cfg, _ = cli.parse(full)
+                    except cli.UserError as error:
+                        print(f"error: cell {name}: {error}", file=sys.stderr)
+                        return 2
+                    cells.append((label, batch, times, seed, name, full, cfg.epochs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    runs: dict[tuple[str, int], list[dict]] = {}
-    run_dirs, metric = [], None
-    for label, batch, seed, name, flags, epochs in cells:
+    runs: dict[tuple[str, int, float | None], list[dict]] = {}
+    run_dirs: dict[tuple[str, int, float | None], Path] = {}  # the first seed's run of each cell, for the curves
+    metric = None
+    for label, batch, times, _seed, name, flags, epochs in cells:
         run_dir = run_cell(args, name, flags, epochs)
-        if seed == seeds[0]:
-            run_dirs.append(run_dir)  # the curves figure: the first seed of each cell
+        run_dirs.setdefault((label, batch, times), run_dir)
         if metric is None:
             try:
                 metric = run_folder.headline(run_folder.read_config(run_dir), args.metric)
             except ValueError as error:
                 print(f"error: --metric: {error}", file=sys.stderr)
                 return 2
-        runs.setdefault((label, batch), []).append(summarise(run_dir, metric, args.target))
+        runs.setdefault((label, batch, times), []).append(summarise(run_dir, metric, args.target))
+    grids: dict[tuple[str, int], dict] = {}
+    for (label, batch, times), cell_runs in runs.items():
+        grids.setdefault((label, batch), {})[times] = over_seeds(cell_runs)
     results: dict[str, list[dict]] = {}
-    for (label, _), cell_runs in runs.items():
-        results.setdefault(label, []).append(over_seeds(cell_runs))
+    shown = []
+    for (label, batch), grid in grids.items():
+        times, cell = best_of_grid(grid, metric["better"])
+        results.setdefault(label, []).append(cell)
+        shown.append(run_dirs[(label, batch, times)])
     command = "python tools/sweep.py " + " ".join(argv + (["--", *extra] if extra else []))
     write_results(out, results, command, metric, args.target)
     plots.accuracy_vs_batch(results, out / "accuracy_vs_batch.png", metric)
-    plots.overlay(run_dirs, out / "curves.png", metric)
+    plots.overlay(shown, out / "curves.png", metric)
     print(f"results: {out / 'results.md'}, {out / 'accuracy_vs_batch.png'}, {out / 'curves.png'}")
     return 0
 
