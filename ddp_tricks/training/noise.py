@@ -75,9 +75,11 @@ class NoiseScale:
         self.local_parts: torch.Tensor | None = None  # this rank's gradient's squared norms by parameter (DDP's hook)
         self.local_weight: float | torch.Tensor = 0.0  # what its micro-batches' mean losses were multiplied by, summed
         self.local_samples = 0
-        self._small_sum = torch.zeros((), **zeros)  # this step's small batches' squared norms, summed
+        self._zero, self._one = torch.zeros((), **zeros), torch.ones((), **zeros)
+        self._small_sum = self._zero  # this step's small batches' squared norms, summed
         self._small_count = 0
         self._small_samples = 0
+        self._coefficients: dict[tuple, torch.Tensor] = {}
 
     def small(self, sq_norm: torch.Tensor, samples: int, count: int = 1) -> None:
         """One small batch's squared gradient norm (the gradient of its mean loss), and its samples; or `count`
@@ -105,17 +107,23 @@ class NoiseScale:
         averages, unless one is not finite (an fp16 overflow). A step with no small batch smaller than itself
         leaves them as they are."""
         count, small_samples, small_sum = self._small_count, self._small_samples, self._small_sum
-        self._small_sum, self._small_count, self._small_samples = torch.zeros_like(small_sum), 0, 0
+        self._small_sum, self._small_count, self._small_samples = self._zero, 0, 0
         if count == 0 or small_samples >= count * samples:
             return
-        b_small, b_big = small_samples / count, float(samples)
-        g_small, g_big = small_sum / count, sq_norm.to(torch.float64)
-        trace = (g_small - g_big) / (1 / b_small - 1 / b_big)
-        grad_sq = (b_big * g_big - b_small * g_small) / (b_big - b_small)
-        estimates = torch.stack([trace, grad_sq])
-        keep = torch.isfinite(estimates).all().to(torch.float64) * (1 - self.beta)  # 0 for a step left out: no sync
-        self.averages.mul_(1 - keep).add_(torch.nan_to_num(estimates, nan=0.0, posinf=0.0, neginf=0.0) * keep)
-        self.weight.mul_(1 - keep).add_(keep)
+        # both estimates are linear in (sum of the small batches' |G_small|^2, |G_big|^2): one 2x2 product, its
+        # coefficients made once per (small batches, samples) on the device (no copy from the host per step)
+        key = (count, small_samples, samples)
+        coefficients = self._coefficients.get(key)
+        if coefficients is None:
+            b_small, b_big = small_samples / count, float(samples)
+            trace_of = [1 / count / (1 / b_small - 1 / b_big), -1 / (1 / b_small - 1 / b_big)]
+            grad_sq_of = [-b_small / count / (b_big - b_small), b_big / (b_big - b_small)]
+            coefficients = torch.tensor([trace_of, grad_sq_of], dtype=torch.float64, device=self.averages.device)
+            self._coefficients[key] = coefficients
+        estimates = coefficients @ torch.stack([small_sum, sq_norm.to(torch.float64)])
+        keep = torch.isfinite(estimates).all().to(torch.float64) * (1 - self.beta)  # 0 for a step left out (fp16 overflow): no sync
+        self.averages.lerp_(torch.nan_to_num(estimates, nan=0.0, posinf=0.0, neginf=0.0), keep)
+        self.weight.lerp_(self._one, keep)
 
     def corrected(self) -> torch.Tensor:
         """[tr(Sigma), |G|^2] on the device, bias-corrected (zeros before the first step)."""
@@ -140,7 +148,7 @@ def report(corrected_sums: list[float], world_size: int) -> dict[str, float]:
 def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """|g|^2 of each tensor, in float64 on the device (no host sync)."""
     norms = torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads])
-    return torch.stack(norms).to(torch.float64).square()
+    return torch.stack(norms).to(torch.float64).square_()
 
 
 def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -195,9 +203,10 @@ class MicroBatches:
         if self._sums is None:
             self._sums = grads
         else:
-            for i, g in enumerate(grads):
-                if g is not None:
-                    self._sums[i] = g if self._sums[i] is None else self._sums[i].add_(g)
+            both = [(s, g) for s, g in zip(self._sums, grads) if s is not None and g is not None]
+            if both:
+                torch._foreach_add_([s for s, _ in both], [g for _, g in both])
+            self._sums = [s if s is not None else g for s, g in zip(self._sums, grads)]
         for p in self.params:
             p.grad = None
 
