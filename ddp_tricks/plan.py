@@ -223,6 +223,11 @@ def make(
                     f"; the run's micro-batch was {run_micro}: the steps keep their samples, a model with BatchNorm "
                     "normalizes over other groups of them"
                 )
+    if max_global_batch and max_global_batch < trace[0]:
+        raise UserError(
+            f"--max-global-batch {max_global_batch} is below the start batch {trace[0]} (--batch-size {micro_batch} x "
+            f"{world_size} processes x --accum-steps {accum_steps}): raise it, or start smaller"
+        )
     if max_global_batch and trace[-1] == micro_batch:  # --batch-trace auto at one micro-batch a step
         raise UserError(
             "--batch-trace auto measures the noise scale from a step's micro-batches, and a step of one has no "

@@ -55,6 +55,7 @@ def test_auto_needs_two_micro_batches_a_step_and_no_adascale(tmp_path):
         ([], "start with --accum-steps 2 (or 2+ processes)"),
         (["--accum-steps", "2", "--batch-lr-rule", "adascale"], "--batch-trace auto takes --batch-lr-rule linear"),
         (["--accum-steps", "2", "--no-noise-scale"], "drop --no-noise-scale"),
+        (["--accum-steps", "2", "--max-global-batch", "48"], "--max-global-batch 48 is below the start batch 64"),
     ]
     for flags, said in cases:
         result = python_run([*common, *flags])
