@@ -90,9 +90,10 @@ def lr_schedule(lrs: list[float], steps_per_epoch: int, run_dir: str | Path, tit
     return Path(path)
 
 
-def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict) -> Path:
+def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict, by: str = "epoch") -> Path:
     """One validation metric (`metric`: storage.run_folder.headline), the loss and the LR of several runs on one
-    figure, one colour per run; and the gradient noise scale, where a run measured it (its global batch dashed)."""
+    figure, one colour per run; and the gradient noise scale, where a run measured it (its global batch dashed).
+    `by`: the x axis, "epoch" (samples) or "step" (optimizer steps, on a log scale: runs of other batch sizes)."""
     plt = _pyplot()
     runs = {Path(run_dir).name: read_metrics(run_dir) for run_dir in run_dirs}
     measured = any(math.isfinite(r.get("noise_scale", math.nan)) for rows in runs.values() for r in rows)
@@ -100,7 +101,7 @@ def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict) -> Path:
     ax_metric, ax_loss, ax_lr = axes[:3]
     name, scale, unit = metric["name"], metric["scale"], f" ({metric['unit']})" if metric["unit"] else ""
     for label, rows in runs.items():
-        epochs = [r["epoch"] for r in rows]
+        epochs = [r[by] for r in rows]
         (line,) = ax_metric.plot(epochs, [scale * r[f"val_{name}"] for r in rows], "o-", label=f"{label} (val)")
         if f"train_{name}" in rows[0]:
             train = [scale * r[f"train_{name}"] for r in rows]
@@ -111,16 +112,19 @@ def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict) -> Path:
             axes[3].plot(epochs, [r.get("noise_scale", math.nan) for r in rows], "o-", color=line.get_color(),
                          label=label)  # fmt: skip
             axes[3].plot(epochs, [r["global_batch"] for r in rows], "--", color=line.get_color(), alpha=0.6)
-    ax_metric.set(title=f"{metric['title']} (solid: validation, dashed: train)", xlabel="epoch",
+    x = "epoch" if by == "epoch" else "optimizer step (log scale)"
+    ax_metric.set(title=f"{metric['title']} (solid: validation, dashed: train)", xlabel=x,
                   ylabel=f"{metric['title']}{unit}")  # fmt: skip
-    ax_loss.set(title="Validation loss", xlabel="epoch", ylabel="loss")
-    ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="learning rate")
+    ax_loss.set(title="Validation loss", xlabel=x, ylabel="loss")
+    ax_lr.set(title="Learning rate (end of epoch)", xlabel=x, ylabel="learning rate")
     if measured:
-        axes[3].set(title="Gradient noise scale (dashed: global batch)", xlabel="epoch", ylabel="samples",
+        axes[3].set(title="Gradient noise scale (dashed: global batch)", xlabel=x, ylabel="samples",
                     yscale="log")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        if by == "step":
+            ax.set_xscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

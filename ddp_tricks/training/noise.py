@@ -121,7 +121,9 @@ class NoiseScale:
             coefficients = torch.tensor([trace_of, grad_sq_of], dtype=torch.float64, device=self.averages.device)
             self._coefficients[key] = coefficients
         estimates = coefficients @ torch.stack([small_sum, sq_norm.to(torch.float64)])
-        keep = torch.isfinite(estimates).all().to(torch.float64) * (1 - self.beta)  # 0 for a step left out (fp16 overflow): no sync
+        keep = torch.isfinite(estimates).all().to(torch.float64) * (
+            1 - self.beta
+        )  # 0 for a step left out (fp16 overflow): no sync
         self.averages.lerp_(torch.nan_to_num(estimates, nan=0.0, posinf=0.0, neginf=0.0), keep)
         self.weight.lerp_(self._one, keep)
 
