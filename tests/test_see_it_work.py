@@ -65,6 +65,10 @@ def test_sweep_on_a_2x2_grid_writes_both_tables_and_figures_and_resumes(tmp_path
     )
     assert plot.returncode == 0, plot.stderr
     assert _png(tmp_path / "two.png") and _png(tmp_path / "cells" / "sgd-b32" / "curves.png")
+    by_step = subprocess.run([sys.executable, str(REPO / "tools" / "plot_runs.py"), str(tmp_path / "cells" / "sgd-b32"),
+                              str(tmp_path / "cells" / "sgd-b256"), "--x", "step", "-o", str(tmp_path / "steps.png")],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert by_step.returncode == 0 and _png(tmp_path / "steps.png"), by_step.stderr
 
 
 def test_plot_runs_refuses_a_folder_without_metrics(tmp_path):
