@@ -381,14 +381,14 @@ def test_the_sweep_reports_mean_and_spread_over_seeds(tmp_path):
 
 
 def test_the_sweep_runs_every_line_at_each_lr_of_the_grid(tmp_path, monkeypatch):
-    """--lr-grid: each recipe's own LR times each factor, every batch and seed; the cell name says the factor."""
+    """--lr-grid: each recipe's own LR times each factor, every batch and seed; the cell name says the LR."""
     sweep, commands = recording_sweep(monkeypatch)
     monkeypatch.setattr(sweep, "best_of_grid", lambda grid, better: (next(iter(grid)), {}))  # nothing was run
     path = _write(tmp_path, 'optimizer = "lamb"\nbase-lr = 0.03\nlr-scaling = "sqrt"\nbase-batch-size = 64\n')
     argv = ["--recipes", str(path), "--batch-sizes", "64", "--lr-grid", "0.5", "2", "--out", str(tmp_path / "out")]
     assert sweep.main(argv) == 0
     parsed = [config.parse(cmd[cmd.index(str(REPO / "run.py")) + 1 :])[0] for cmd in commands]
-    assert [(cfg.name, cfg.base_lr) for cfg in parsed] == [("flags-b64-lr0.5x", 0.015), ("flags-b64-lr2x", 0.06)]
+    assert [(cfg.name, cfg.base_lr) for cfg in parsed] == [("flags-b64-lr0.015", 0.015), ("flags-b64-lr0.06", 0.06)]
 
 
 def test_the_sweep_reports_the_best_lr_of_the_grid_and_the_steps_to_a_target(tmp_path):

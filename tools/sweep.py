@@ -90,8 +90,9 @@ def variants(args) -> list[tuple[str, list[str]]]:
     return result
 
 
-def cell_name(label: str, batch: int, seed: int | None, lr_times: float | None = None) -> str:
-    return f"{label}-b{batch}" + (f"-lr{lr_times:g}x" if lr_times else "") + (f"-s{seed}" if seed is not None else "")
+def cell_name(label: str, batch: int, seed: int | None, lr: float | None = None) -> str:
+    """The cell's folder: its line, batch, LR (a point of --lr-grid: the base LR it was given) and seed."""
+    return f"{label}-b{batch}" + (f"-lr{lr:g}" if lr else "") + (f"-s{seed}" if seed is not None else "")
 
 
 def best_of_grid(grid: dict[float | None, dict], better: str) -> tuple[float | None, dict]:
@@ -107,13 +108,13 @@ def best_of_grid(grid: dict[float | None, dict], better: str) -> tuple[float | N
 
 
 def cell_flags(
-    args, label: str, flags: list[str], batch: int, seed: int | None, extra: list[str], times: float | None = None
+    args, label: str, flags: list[str], batch: int, seed: int | None, extra: list[str], lr: float | None = None
 ) -> list[str]:
-    """run.py's flags for one cell (`times`: its point of the LR grid)."""
+    """run.py's flags for one cell (`lr`: its point of the LR grid, the base LR it is given)."""
     return [
         *flags, "--batch-size", str(batch // args.nproc), *(["--seed", str(seed)] if seed is not None else []),
-        "-n", cell_name(label, batch, seed, times), "--runs-dir", str(Path(args.out) / "cells"), "--no-progress",
-        "--resume", "auto", *extra,
+        "-n", cell_name(label, batch, seed, lr), "--runs-dir", str(Path(args.out) / "cells"), "--no-progress",
+        "--resume", "auto", *extra, *(["--base-lr", f"{lr:g}"] if lr else []),
     ]  # fmt: skip
 
 
@@ -345,12 +346,14 @@ def main(argv: list[str] | None = None) -> int:
         for batch in sorted(args.batch_sizes):
             for times in args.lr_grid or [None]:
                 for seed in seeds:  # a mistake in any cell's flags, before the first cell starts and writes
-                    name = cell_name(label, batch, seed, times)
-                    full = cell_flags(args, label, flags, batch, seed, extra, times)
+                    name = cell_name(label, batch, seed)
+                    full = cell_flags(args, label, flags, batch, seed, extra)
                     try:
                         cfg, _ = cli.parse(full)
                         if times:  # the line's LR (its own flag, recipe or run.py's default) times the factor
-                            full = [*full, "--base-lr", f"{cfg.base_lr * times:.6g}"]
+                            lr = float(f"{cfg.base_lr * times:.6g}")
+                            name = cell_name(label, batch, seed, lr)
+                            full = cell_flags(args, label, flags, batch, seed, extra, lr)
                             cfg, _ = cli.parse(full)
                     except cli.UserError as error:
                         print(f"error: cell {name}: {error}", file=sys.stderr)
