@@ -7,7 +7,7 @@ each round's ratio. Then, with less noise, the one-process way in this process: 
 (loop.train_one_epoch, the digits 4 times over, one thread) with and without the estimator, alternating. The last
 line is one JSON object.
 
-    python bench/noise_scale.py [--rounds 5] [--epochs 4] [--batch-size 32]
+    python bench/noise_scale.py [--rounds 5] [--epochs 4] [--batch-size 32] [--in-process-only]
 """
 
 from __future__ import annotations
@@ -97,10 +97,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--in-process-only", action="store_true", help="only the in-process measurement (quick)")
     args = parser.parse_args()
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for way, (processes, accum_steps) in WAYS.items():
+        for way, (processes, accum_steps) in {} if args.in_process_only else WAYS.items():
             ratios, on, off = [], [], []
             for r in range(args.rounds):  # alternating, so a change in the machine's load falls on both
                 on.append(epoch_step_seconds(args, processes, accum_steps, True, Path(tmp), f"on{processes}{r}"))
