@@ -212,7 +212,7 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
     for epoch in range(t.completed_epochs + 1, flags.epochs + 1):
         if plan.auto and t.step_in_epoch == 0:  # the epoch's batch, from the noise scale measured so far
             before = plan.rows(t.global_step)[-1] if t.global_step else plan.trace[0]
-            plan = plan.grown(measured_noise_scale(t), t.global_step)
+            plan = plan.grown(t.noise.agreed_scale(), t.global_step)
             checkpoints.plan = plan.summary()
             if plan.trace[-1] != before:
                 log.info("--batch-trace auto: global batch %d -> %d from epoch %d", before, plan.trace[-1], epoch)
@@ -264,12 +264,6 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
     others = ", ".join(f"{k} {v:.4f}" for k, v in best.val.items() if k != best.metric)
     log.info("best %s %.4f at epoch %d (%s); run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
     return 0
-
-
-def measured_noise_scale(t: Training) -> float:
-    """The gradient noise scale measured so far (nan before any step), rank 0's: every rank decides alike."""
-    trace, grad_sq = collectives.broadcast_floats(t.noise.corrected())
-    return trace / grad_sq if grad_sq > 0 else float("nan")
 
 
 def make_plan(

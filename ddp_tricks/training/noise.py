@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ddp_tricks.distributed.collectives import broadcast_floats
+
 BETA = 0.99  # the moving average's weight: about the last 100 steps
 
 
@@ -130,6 +132,12 @@ class NoiseScale:
     def corrected(self) -> torch.Tensor:
         """[tr(Sigma), |G|^2] on the device, bias-corrected (zeros before the first step)."""
         return self.averages / self.weight.clamp(min=1e-300)
+
+    def agreed_scale(self) -> float:
+        """The noise scale measured so far (nan before any step), rank 0's on every rank, so that every rank
+        decides alike (a broadcast and a host sync: at an epoch's start, never in a step)."""
+        trace, grad_sq = broadcast_floats(self.corrected())
+        return trace / grad_sq if grad_sq > 0 else float("nan")
 
     def packed(self) -> torch.Tensor:
         """[averages, weight]: what a checkpoint keeps, one row per rank."""
