@@ -27,7 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, pg_timeout=60):
+def _worker(rank, world_size, port, fn, args, queue, pg_timeout=60, environ=None, cwd=None):
+    if environ is not None:  # the test's environment and folder now, not the fork server's when it started
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -45,15 +49,30 @@ def _worker(rank, world_size, port, fn, args, queue, pg_timeout=60):
             dist.destroy_process_group()
 
 
+# Ranks are forked from a fork server that imported torch once (per pytest worker), not started afresh: a fresh
+# interpreter spends ~3 s of CPU importing torch and its compiler stack before a rank does anything. The server
+# holds no threads, CUDA or process group, so every rank is still a fresh process with its own gloo group.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "multiproc"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 120, reporting=None, pg_timeout: float = 60):
     """Run fn(rank, world_size, *args) in `world_size` gloo processes; return the results of the ranks in
     `reporting` (default: all), by rank. Every wait is bounded: a hang fails the test."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     reporting = list(range(world_size)) if reporting is None else list(reporting)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, pg_timeout)) for r in range(world_size)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, pg_timeout, dict(os.environ), os.getcwd())
+        )
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()
