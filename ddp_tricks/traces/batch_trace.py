@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_tricks.errors import UserError
+from ddp_tricks.storage import files
 from ddp_tricks.training.noise import squared_norm
 
 
@@ -96,13 +97,9 @@ def check_trace(trace: list[int], micro_batch: int, where: list[str] | None = No
 
 def write_trace(path: Path, sizes: list[int]) -> None:
     """The batch of every step so far as a CSV `step,batchsize` (steps from 1), which load_trace reads back;
-    written whole, then renamed into place (a reader never sees half a file)."""
-    path = Path(path)
-    partial = path.with_suffix(".csv.partial")
-    with open(partial, "w", newline="") as f:
-        f.write("step,batchsize\n")
-        f.writelines(f"{step},{batch}\n" for step, batch in enumerate(sizes, start=1))
-    partial.replace(path)
+    written atomically (a reader, or a run resumed after a crash, never sees half a file)."""
+    rows = "".join(f"{step},{batch}\n" for step, batch in enumerate(sizes, start=1))
+    files.write_text(path, "step,batchsize\n" + rows)
 
 
 def next_batch(noise_scale: float, batch: int, unit: int, ceiling: int) -> int:
