@@ -4,6 +4,7 @@ path alone (loader iteration without the model), and the bare loop on one batch 
 device (the model's own ceiling: no data path at all). The last line is one JSON object.
 
     python bench/e2e.py [--model toy] [--batch-size 32] [--amp off|bf16|fp16] [--optimizer sgd|lars] [--repeats 7]
+    python bench/e2e.py --profile     # the torch operators each loop runs per step, and what the template adds
     python bench/e2e.py --data imagenet --model resnet50 --amp bf16 --channels-last --batch-size 128 \
         --optimizer lars --device cuda        # synthetic ImageNet-shaped data (3x224x224, 1000 classes)
 """
@@ -63,6 +64,34 @@ def bare_epoch(model, optimizer, batches, device, amp_dtype, scaler, channels_la
         optimizer.zero_grad(set_to_none=True)
 
 
+def profile_ops(loops: dict, the_plan, loader, steps: list) -> None:
+    """One epoch of each loop under torch.profiler (after one without): the aten operators per step, their self
+    CPU time per step (inflated by the profiler; compare the two loops, not with the timings), and the operators
+    the template runs more often than the bare loop."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_step = {}
+    for name, fn in loops.items():
+        for profiled in (False, True):
+            steps[:] = the_plan.epoch(0, 0)
+            loader.batch_sampler.start(steps)
+            if not profiled:
+                fn()
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+        per_step[name] = {e.key: (e.count / len(steps), e.self_cpu_time_total / len(steps))
+                          for e in prof.key_averages() if e.key.startswith("aten::")}  # fmt: skip
+        count, micros = (sum(v[i] for v in per_step[name].values()) for i in (0, 1))
+        print(f"{name:9s} {count:6.1f} aten operators per step, {micros:7.0f} us self CPU per step (profiled)")
+    template, bare = per_step["template"], per_step["bare"]
+    extra = {k: (c - bare.get(k, (0, 0))[0], us - bare.get(k, (0, 0))[1]) for k, (c, us) in template.items()}
+    print("operators the template runs more often per step (count, self CPU):")
+    for key, (count, micros) in sorted(extra.items(), key=lambda kv: -kv[1][1]):
+        if count >= 0.5:
+            print(f"  {key:28s} +{count:4.1f}  {micros:+6.1f} us")
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -82,6 +111,7 @@ def main() -> None:
                         help="imagenet: synthetic 3x224x224 images in memory, 1000 classes")  # fmt: skip
     parser.add_argument("--samples", type=int, default=2048, help="--data imagenet: images per epoch")
     parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="count the operators per step of each loop instead")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.threads:
@@ -125,6 +155,8 @@ def main() -> None:
         for inputs, targets in loader:
             inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
+    if args.profile:
+        return profile_ops({"template": template, "bare": bare}, the_plan, loader, steps)
     timings = {"template": [], "bare": [], "data": [], "resident": []}
     cpu_times = {"template": [], "bare": [], "data": [], "resident": []}
     main_thread = {"template": [], "bare": [], "data": [], "resident": []}
