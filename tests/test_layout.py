@@ -3,6 +3,7 @@ that only go down (no cycles, nothing imports the recipe or the task), and old i
 """
 
 import ast
+import os
 import subprocess
 import sys
 
@@ -135,3 +136,13 @@ def test_public_names_keep_their_homes():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.xdist_group("layout-group-check")
+def test_grouped_tests_share_one_worker(request):
+    """`make test` runs pytest-xdist with `--dist loadgroup`, so that tests sharing a module's runs (marked
+    xdist_group) go to one worker and the runs are made once; xdist marks such a test's node ID with @GROUP. Some
+    pytest releases silently lose that mark (requirements-dev.txt), and every worker then makes the runs again."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not request.config.getvalue("loadgroup"):
+        pytest.skip("not under pytest-xdist --dist loadgroup")
+    assert request.node.nodeid.endswith("@layout-group-check"), request.node.nodeid
