@@ -27,11 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, pg_timeout=60, environ=None, cwd=None):
-    if environ is not None:  # the test's environment and folder now, not the fork server's when it started
-        os.environ.clear()
-        os.environ.update(environ)
-        os.chdir(cwd)
+def _worker(rank, world_size, port, fn, args, queue, pg_timeout, environ, cwd):
+    os.environ.clear()  # the test's environment and folder now, not the fork server's when it started
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -51,7 +50,8 @@ def _worker(rank, world_size, port, fn, args, queue, pg_timeout=60, environ=None
 
 # Ranks are forked from a fork server that imported torch once (per pytest worker), not started afresh: a fresh
 # interpreter spends ~3 s of CPU importing torch and its compiler stack before a rank does anything. The server
-# holds no threads, CUDA or process group, so every rank is still a fresh process with its own gloo group.
+# only imports (no CUDA, no process group, no tensor work), so every rank is still a new process with its own gloo
+# group.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "multiproc"]
 
 
