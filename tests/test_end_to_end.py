@@ -1,11 +1,14 @@
-"""run.py as users launch it: torchrun, the legacy launcher, plain python; the run folder it writes."""
+"""run.py as users launch it: torchrun and plain python (the legacy launcher: test_tricks.py); the run folder it
+writes; the tests' warm ranks (multiproc.launch) give what torchrun gives."""
 
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from multiproc import REPO, legacy_launch, python_run, torchrun
+from multiproc import REPO, launch, torchrun, torchrun_environment
 
 TIMING = {"epoch_seconds", "samples_per_second"}
 
@@ -17,11 +20,13 @@ def _metrics(run_dir, name="metrics.csv"):
 
 @pytest.fixture(scope="module")
 def twice(tmp_path_factory):
-    """The same torchrun command, run twice (runs a and b): what both tests below look at."""
+    """The same command twice (runs a and b): a under torchrun as a user types it, b on the warm ranks that most
+    tests use (multiproc.launch). What both tests below look at: equal runs say the run is deterministic and the
+    warm ranks are the launcher's."""
     runs = tmp_path_factory.mktemp("twice")
     results = {}
-    for name in ("a", "b"):
-        results[name] = torchrun(
+    for name, launcher in (("a", torchrun), ("b", launch)):
+        results[name] = launcher(
             ["--epochs", "2", "-n", name, "--runs-dir", str(runs), "--no-progress", "--deterministic"]
         )
         assert results[name].returncode == 0, results[name].stderr[-3000:]
@@ -72,7 +77,7 @@ def test_torchrun_two_ranks_writes_a_complete_run_folder(twice):
 @pytest.mark.xdist_group("e2e-twice")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_same_command_twice_gives_identical_metrics(twice):
+def test_same_command_twice_gives_identical_metrics_under_torchrun_and_on_warm_ranks(twice):
     tmp_path, results = twice
     for result in results.values():
         assert "--deterministic: an op without a deterministic kernel warns once" in result.stdout  # said at start
@@ -89,27 +94,10 @@ def test_same_command_twice_gives_identical_metrics(twice):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_legacy_launcher_passes_local_rank_flag(tmp_path):
-    result = legacy_launch(
-        [
-            "-n=legacy",
-            "--epochs",
-            "1",
-            "--runs-dir",
-            str(tmp_path),
-            "--no-progress",
-        ],
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads((tmp_path / "legacy" / "config.json").read_text())["world_size"] == 2
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_eval_only_gives_the_same_numbers_at_any_world_size(tmp_path):
-    one = python_run(["--eval-only", "-n", "w1", "--runs-dir", str(tmp_path)])
-    two = torchrun(["--eval-only", "-n", "w2", "--runs-dir", str(tmp_path)])
-    three = torchrun(["--eval-only", "-n", "w3", "--runs-dir", str(tmp_path)], nproc=3)
+    one = launch(["--eval-only", "-n", "w1", "--runs-dir", str(tmp_path)], nproc=None)
+    two = launch(["--eval-only", "-n", "w2", "--runs-dir", str(tmp_path)])
+    three = launch(["--eval-only", "-n", "w3", "--runs-dir", str(tmp_path)], nproc=3)
     for result in (one, two, three):
         assert result.returncode == 0, result.stderr[-3000:]
     rows = [_metrics(tmp_path / n, "eval.csv")[0] for n in ("w1", "w2", "w3")]
@@ -131,3 +119,36 @@ def test_bad_flag_exits_2_on_every_rank_printed_once(tmp_path):
     assert "exitcode  : 2" in result.stderr
     assert f'File "{REPO / "run.py"}"' not in result.stderr  # torchrun's own report only, no trace of ours
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+ENVIRONMENT = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], os.environ.get("RANK", "plain") + ".json"), "w") as f:
+    json.dump(dict(os.environ), f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_warm_ranks_get_the_environment_torchrun_gives_its_workers(tmp_path):
+    """What torchrun adds to a worker's environment (torch's LocalElasticAgent), against what multiproc gives the
+    warm ranks: the same variables with the same values, but for the store's address and the run's id; nothing
+    that torchrun adds is missing."""
+    script = tmp_path / "env.py"
+    script.write_text(ENVIRONMENT)
+    plain = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+               str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    assert plain.returncode == 0 and result.returncode == 0, plain.stderr[-3000:] + result.stderr[-3000:]
+    before = json.loads((tmp_path / "plain.json").read_text())  # what any child of this process starts with
+    launcher_own = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}  # its error file and signal list
+    for rank in (0, 1):
+        real = json.loads((tmp_path / f"{rank}.json").read_text())
+        added = {k: v for k, v in real.items() if before.get(k) != v and k not in launcher_own}
+        warm = torchrun_environment(rank, 2, int(real["MASTER_PORT"]), real["TORCHELASTIC_RUN_ID"])
+        assert added.keys() == warm.keys(), added.keys() ^ warm.keys()
+        assert {k: v for k, v in added.items() if k != "MASTER_ADDR"} == {
+            k: v for k, v in warm.items() if k != "MASTER_ADDR"
+        }
+        assert added["MASTER_ADDR"] == "localhost" and warm["MASTER_ADDR"] == "127.0.0.1"  # both this machine
