@@ -6,7 +6,7 @@ import json
 import pytest
 import tiny
 import torch
-from multiproc import free_port, legacy_launch, python_run, torchrun
+from multiproc import free_port, launch, legacy_launch, torchrun
 from torch import nn
 
 from ddp_tricks import plan
@@ -75,7 +75,7 @@ def test_accumulating_4_batches_of_b_equals_one_batch_of_4b(world_size):
 @pytest.mark.timeout(300)
 def test_early_stop_ends_every_rank_after_the_same_epoch(tmp_path):
     # Ranks evaluate different shards (different local losses); the decision uses the reduced loss.
-    result = torchrun(
+    result = launch(
         [
             "--epochs",
             "8",
@@ -99,7 +99,9 @@ def test_early_stop_ends_every_rank_after_the_same_epoch(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_cpu_end_to_end(amp, tmp_path):
-    result = python_run(["--epochs", "2", "--amp", amp, "-n", amp, "--runs-dir", str(tmp_path), "--no-progress"])
+    result = launch(
+        ["--epochs", "2", "--amp", amp, "-n", amp, "--runs-dir", str(tmp_path), "--no-progress"], nproc=None
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _rows(tmp_path / amp)
     assert float(rows[-1]["val_acc"]) > 0.9
@@ -111,7 +113,7 @@ def test_mixed_precision_trains_on_cpu_end_to_end(amp, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_lr_scaling_is_printed_and_stored(tmp_path):
-    result = torchrun(
+    result = launch(
         [
             "--epochs",
             "1",
@@ -139,6 +141,8 @@ def test_lr_scaling_is_printed_and_stored(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_original_template_command_line_runs_unchanged(tmp_path):
+    """`python -m torch.distributed.launch --nproc_per_node=2 run.py -n=DDP_warmup --epochs 2`, from another
+    folder: the legacy launcher passes --local-rank, and the run has both ranks."""
     result = legacy_launch(
         [
             "-n=DDP_warmup",
@@ -149,6 +153,7 @@ def test_original_template_command_line_runs_unchanged(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(_rows(tmp_path / "runs" / "DDP_warmup")) == 2
+    assert json.loads((tmp_path / "runs" / "DDP_warmup" / "config.json").read_text())["world_size"] == 2
 
 
 @pytest.mark.slow
