@@ -1,18 +1,23 @@
-"""tools/sweep.py loaded as a module, and a sweep whose cells are recorded instead of run."""
+"""tools/sweep.py and tools/plot_runs.py loaded as modules; a sweep whose cells are recorded instead of run, and one
+whose cells run on the tests' warm ranks."""
 
 from __future__ import annotations
 
 import importlib.util
 import subprocess
 
-from multiproc import REPO
+from multiproc import REPO, launch
 
 
-def load_sweep():
-    spec = importlib.util.spec_from_file_location("sweep", REPO / "tools" / "sweep.py")
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_sweep():
+    return load_tool("sweep")
 
 
 def recording_sweep(monkeypatch):
@@ -28,3 +33,18 @@ def recording_sweep(monkeypatch):
         sweep.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(cmd, 0)
     )
     return sweep, commands
+
+
+def warm_sweep(monkeypatch):
+    """The sweep module whose cells, the torchrun commands it builds, run on the tests' warm ranks (multiproc.launch)
+    with that command's process count and arguments; anything else it runs, as it is."""
+    sweep, real_run = load_sweep(), subprocess.run
+
+    def run(cmd, **kw):
+        if cmd[1:3] != ["-m", "torch.distributed.run"]:
+            return real_run(cmd, **kw)
+        nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
+        return launch(cmd[cmd.index(str(REPO / "run.py")) + 1 :], nproc=nproc, cwd=kw.get("cwd"))
+
+    monkeypatch.setattr(sweep.subprocess, "run", run)
+    return sweep

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from multiproc import python_run, torchrun
+from multiproc import launch
 
 from ddp_tricks import plan as planning
 from ddp_tricks.storage import checkpoint
@@ -58,10 +58,10 @@ def test_auto_needs_two_micro_batches_a_step_and_no_adascale(tmp_path):
         (["--accum-steps", "2", "--max-global-batch", "48"], "--max-global-batch 48 is below the start batch 64"),
     ]
     for flags, said in cases:
-        result = python_run([*common, *flags])
+        result = launch([*common, *flags], nproc=None)
         assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    result = python_run(["--max-global-batch", "64", "-e", "1", "--runs-dir", str(tmp_path)])
+    result = launch(["--max-global-batch", "64", "-e", "1", "--runs-dir", str(tmp_path)], nproc=None)
     assert result.returncode == 2 and "--batch-trace auto" in result.stderr, result.stderr[-2000:]
 
 
@@ -86,7 +86,7 @@ def same_state(a, b) -> None:
 @pytest.mark.xdist_group("auto-batch")
 @pytest.mark.timeout(600)
 def test_an_auto_run_grows_its_batch_and_its_trace_replays_and_resumes_bit_identically(tmp_path, monkeypatch):
-    whole = torchrun([*AUTO, "-n", "whole", "--runs-dir", str(tmp_path)])
+    whole = launch([*AUTO, "-n", "whole", "--runs-dir", str(tmp_path)])
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "global batch 16 growing with the gradient noise scale up to 64" in whole.stdout
     trace = load_trace(tmp_path / "whole" / "batch_trace.csv")
@@ -98,7 +98,7 @@ def test_an_auto_run_grows_its_batch_and_its_trace_replays_and_resumes_bit_ident
 
     # the trace replayed, as a user would: the same flags with --batch-trace FILE
     replay_flags = [*AUTO[:-4], "--batch-trace", str(tmp_path / "whole" / "batch_trace.csv")]
-    replay = torchrun([*replay_flags, "-n", "replay", "--runs-dir", str(tmp_path)])
+    replay = launch([*replay_flags, "-n", "replay", "--runs-dir", str(tmp_path)])
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert metrics(tmp_path / "replay") == rows
     last = checkpoint.load(tmp_path / "whole" / "last.pt", "ddp")
@@ -106,13 +106,13 @@ def test_an_auto_run_grows_its_batch_and_its_trace_replays_and_resumes_bit_ident
 
     # SIGTERM in the third epoch (after the batch has grown), then --resume auto
     monkeypatch.setenv("PREEMPT_AFTER", str(89 + 40 + 10))  # rank 0's micro-batches: epoch 1 has 89 of them
-    stopped = torchrun([*AUTO, "-n", "stopped", "--runs-dir", str(tmp_path)])
+    stopped = launch([*AUTO, "-n", "stopped", "--runs-dir", str(tmp_path)])
     monkeypatch.delenv("PREEMPT_AFTER")
     log = stopped.stdout + stopped.stderr
-    assert stopped.returncode != 0 and "preempted at epoch" in log, log[-3000:]
+    assert stopped.returncode == 143 and "preempted at epoch" in log, log[-3000:]
     at_stop = checkpoint.load(tmp_path / "stopped" / "last.pt", "ddp")
     assert at_stop["step_in_epoch"] > 0 and len(set(at_stop["plan"]["trace"])) >= 2  # mid-epoch, the batch grown
-    resumed = torchrun([*AUTO, "-n", "stopped", "--resume", "auto", "--runs-dir", str(tmp_path)])
+    resumed = launch([*AUTO, "-n", "stopped", "--resume", "auto", "--runs-dir", str(tmp_path)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert metrics(tmp_path / "stopped") == rows
     assert load_trace(tmp_path / "stopped" / "batch_trace.csv") == trace

@@ -7,7 +7,7 @@ import math
 import pytest
 import tiny
 import torch
-from multiproc import REPO, preempted, run_ranks, torchrun
+from multiproc import REPO, launch, preempted, run_ranks
 from torch import nn
 
 import run
@@ -223,11 +223,11 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
         "--runs-dir",
         str(tmp_path),
     ]
-    full = torchrun([*flags, "--epochs", "4", "-n", "full"])
+    full = launch([*flags, "--epochs", "4", "-n", "full"])
     assert full.returncode == 0, full.stderr[-3000:]
-    part = torchrun([*flags, "--epochs", "2", "-n", "part"])
+    part = launch([*flags, "--epochs", "2", "-n", "part"])
     assert part.returncode == 0, part.stderr[-3000:]
-    rest = torchrun([*flags, "--epochs", "4", "-n", "part", "--resume", "auto"])
+    rest = launch([*flags, "--epochs", "4", "-n", "part", "--resume", "auto"])
     assert rest.returncode == 0, rest.stderr[-3000:]
 
     def rows(name):
@@ -252,13 +252,13 @@ def test_traced_run_with_fp16_and_clipping_resumes_mid_epoch_bit_identically(tmp
     flags = ["--batch-trace", trace, "--batch-size", "8", "--trace-end", "repeat-last", "--amp", "fp16",
              "--clip-grad-norm", "1.0", "--batch-lr-rule", "linear", "--epochs", "2", "--no-progress",
              "--runs-dir", str(tmp_path)]  # fmt: skip
-    full = torchrun([*flags, "-n", "full"])
+    full = launch([*flags, "-n", "full"])
     assert full.returncode == 0, full.stderr[-3000:]
     out, err = preempted([*flags, "-n", "part", "--checkpoint-every-steps", "3"], tmp_path / "part" / "last.pt")
     assert "preempted at epoch 1" in out, (out + err)[-3000:]
     saved = torch.load(tmp_path / "part" / "last.pt", weights_only=True)
     assert saved["step_in_epoch"] > 0 and saved["scaler"] is not None  # mid-epoch, with the GradScaler's state
-    rest = torchrun([*flags, "-n", "part", "--resume", "auto"])
+    rest = launch([*flags, "-n", "part", "--resume", "auto"])
     assert rest.returncode == 0, rest.stderr[-3000:]
 
     def rows(name):

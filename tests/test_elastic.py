@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiproc import REPO, free_port, torchrun
+from multiproc import REPO, free_port, launch
 
 from ddp_tricks.storage import checkpoint
 
@@ -160,7 +160,7 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
-    result = torchrun([*FLAGS, "-n", "full", "--runs-dir", str(runs)])
+    result = launch([*FLAGS, "-n", "full", "--runs-dir", str(runs)])
     assert result.returncode == 0, result.stderr[-3000:]
     return runs / "full"
 
@@ -238,7 +238,7 @@ def test_a_node_killed_mid_epoch_leaves_the_other_to_finish_the_run_with_its_glo
 @pytest.mark.timeout(500)
 def test_the_survivor_ends_bit_identical_to_its_checkpoint_resumed_by_hand_on_one_process(lost_node):
     run_dir, copy = lost_node  # the run folder as the survivor found it
-    by_hand = torchrun([*FLAGS, "-n", "lost", "--runs-dir", str(copy.parent), "--resume", "auto"], nproc=1)
+    by_hand = launch([*FLAGS, "-n", "lost", "--runs-dir", str(copy.parent), "--resume", "auto"], nproc=1)
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
     assert rows(copy) == rows(run_dir)
     a, b = weights(copy), weights(run_dir)

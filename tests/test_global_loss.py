@@ -10,7 +10,7 @@ import pytest
 import tiny
 import torch
 import torch.nn.functional as F
-from multiproc import REPO, run_ranks, torchrun
+from multiproc import REPO, launch, run_ranks
 from torch import nn
 
 from ddp_tricks import UserError, cli, gather_with_grad, rank, world_size
@@ -351,7 +351,7 @@ class OddSimCLR(example.SimCLR):
 
 
 @pytest.mark.slow
-def test_simclr_example_trains_under_torchrun_with_lars_cached_accumulation_and_an_uneven_validation_split(tmp_path):
+def test_simclr_example_trains_on_2_ranks_with_lars_cached_accumulation_and_an_uneven_validation_split(tmp_path):
     """Two ranks, LARS with norms and biases excluded, --accum-steps 2 (cached), a validation split that leaves
     rank 0 one batch more: the run ends (no gather waits for a batch that never comes), and its evaluation equals
     one process's evaluation of the saved weights at the same global batch."""
@@ -360,7 +360,7 @@ def test_simclr_example_trains_under_torchrun_with_lars_cached_accumulation_and_
     args = ["--task", f"{task_file}:OddSimCLR", "--optimizer", "lars", "--bn-bias-separately", "--base-lr", "1.0",
             "-b", "16", "--accum-steps", "2", "-e", "1", "--val-batch-size", "60", "--wd", "1e-4",
             "--runs-dir", str(tmp_path), "--name", "simclr", "--no-progress"]  # fmt: skip
-    result = torchrun(args, timeout=240)
+    result = launch(args, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "simclr" / "metrics.csv") as f:
         row = list(csv.DictReader(f))[-1]

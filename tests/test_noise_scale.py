@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from multiproc import python_run, torchrun
+from multiproc import launch
 
 from ddp_tricks.training.noise import NoiseScale
 
@@ -77,19 +77,19 @@ def runs(tmp_path_factory):
     """The same samples in every step: one process with 2 micro-batches of 16, and 2 ranks of 16 (in float32, and
     in fp16 with a loss scale). 1437 samples: each epoch's last step is 29, uneven over the ranks (15 and 14)."""
     root = tmp_path_factory.mktemp("noise")
-    one = python_run([*FLAGS, "--accum-steps", "2", "-n", "one", "--runs-dir", str(root)])
+    one = launch([*FLAGS, "--accum-steps", "2", "-n", "one", "--runs-dir", str(root)], nproc=None)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "gradient noise scale: measured from each micro-batch's (16 samples) and the step's (32)" in one.stdout
-    two = torchrun([*FLAGS, "-n", "two", "--runs-dir", str(root)])
+    two = launch([*FLAGS, "-n", "two", "--runs-dir", str(root)])
     assert two.returncode == 0, two.stderr[-3000:]
     assert "gradient noise scale: measured from each rank's gradient (16 samples) and the step's (32)" in two.stdout
-    half = torchrun([*FLAGS, "--amp", "fp16", "-n", "half", "--runs-dir", str(root)])
+    half = launch([*FLAGS, "--amp", "fp16", "-n", "half", "--runs-dir", str(root)])
     assert half.returncode == 0, half.stderr[-3000:]
     auto = ["--batch-trace", "auto", "--max-global-batch", "32"]  # a traced run: its micro-batches are the small ones
-    traced_one = python_run([*FLAGS, *auto, "--accum-steps", "2", "-n", "traced-one", "--runs-dir", str(root)])
+    traced_one = launch([*FLAGS, *auto, "--accum-steps", "2", "-n", "traced-one", "--runs-dir", str(root)], nproc=None)
     assert traced_one.returncode == 0, traced_one.stderr[-3000:]
     assert "measured from each micro-batch's gradient (16 samples)" in traced_one.stdout
-    traced_two = torchrun([*FLAGS, *auto, "-n", "traced-two", "--runs-dir", str(root)])
+    traced_two = launch([*FLAGS, *auto, "-n", "traced-two", "--runs-dir", str(root)])
     assert traced_two.returncode == 0, traced_two.stderr[-3000:]
     measured = {"one process, 2 micro-batches": "one", "2 ranks": "two", "2 ranks, fp16": "half",
                 "traced, one process": "traced-one", "traced, 2 ranks": "traced-two"}  # fmt: skip

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 import torch
-from multiproc import REPO, python_run
+from multiproc import REPO, launch
+from sweep_harness import load_tool, warm_sweep
 
 from ddp_tricks import UserError
 from ddp_tricks.data import images as image_data
@@ -19,10 +20,10 @@ def _png(path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_sweep_on_a_2x2_grid_writes_both_tables_and_figures_and_resumes(tmp_path):
-    cmd = [
-        sys.executable,
-        str(REPO / "tools" / "sweep.py"),
+def test_sweep_on_a_2x2_grid_writes_both_tables_and_figures_and_resumes(tmp_path, monkeypatch, capsys):
+    """The sweep (its cells on warm ranks), then the same command line again as a user types it: every cell is
+    found finished."""
+    argv = [
         "--batch-sizes",
         "32",
         "256",
@@ -39,36 +40,23 @@ def test_sweep_on_a_2x2_grid_writes_both_tables_and_figures_and_resumes(tmp_path
         "--log-interval",
         "5",
     ]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=360)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert warm_sweep(monkeypatch).main(argv) == 0, capsys.readouterr().err[-3000:]
     results = (tmp_path / "results.md").read_text()
     assert "## sgd" in results and "## lars" in results
     header = "| Batch | Base LR | top-1 accuracy, final | vs best batch-32 | best epoch | time to train | runs |"
     assert results.count(header) == 2
     assert "| 256 | 0.4 |" in results  # sgd: 0.05 x 256/32, linear scaling
     assert _png(tmp_path / "accuracy_vs_batch.png") and _png(tmp_path / "curves.png")
+    cmd = [sys.executable, str(REPO / "tools" / "sweep.py"), *argv]
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.count("finished before, skipped") == 4
 
-    plot = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "plot_runs.py"),
-            str(tmp_path / "cells" / "sgd-b32"),
-            str(tmp_path / "cells" / "lars-b32"),
-            "-o",
-            str(tmp_path / "two.png"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert plot.returncode == 0, plot.stderr
+    plot_runs = load_tool("plot_runs")  # its command line: test_plot_runs_refuses_a_folder_without_metrics
+    cells = tmp_path / "cells"
+    assert plot_runs.main([str(cells / "sgd-b32"), str(cells / "lars-b32"), "-o", str(tmp_path / "two.png")]) == 0
     assert _png(tmp_path / "two.png") and _png(tmp_path / "cells" / "sgd-b32" / "curves.png")
-    by_step = subprocess.run([sys.executable, str(REPO / "tools" / "plot_runs.py"), str(tmp_path / "cells" / "sgd-b32"),
-                              str(tmp_path / "cells" / "sgd-b256"), "--x", "step", "-o", str(tmp_path / "steps.png")],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert by_step.returncode == 0 and _png(tmp_path / "steps.png"), by_step.stderr
+    by_step = [str(cells / "sgd-b32"), str(cells / "sgd-b256"), "--x", "step", "-o", str(tmp_path / "steps.png")]
+    assert plot_runs.main(by_step) == 0 and _png(tmp_path / "steps.png")
 
 
 def test_plot_runs_refuses_a_folder_without_metrics(tmp_path):
@@ -99,7 +87,7 @@ def test_plot_lr_draws_the_schedule_training_then_follows(tmp_path):
         str(tmp_path),
         "--no-progress",
     ]
-    preview = python_run([*flags, "--plot-lr", "-n", "preview"])
+    preview = launch([*flags, "--plot-lr", "-n", "preview"], nproc=None)
     assert preview.returncode == 0, preview.stderr[-3000:]
     assert _png(tmp_path / "preview" / "lr_schedule.png")
     assert not (tmp_path / "preview" / "metrics.csv").exists()  # nothing trained
@@ -109,7 +97,7 @@ def test_plot_lr_draws_the_schedule_training_then_follows(tmp_path):
     # by hand: 0.05 x 32/64 = 0.025 peak; warmup 0.5 epoch; poly power 1 to 0 over the rest
     warmup = round(0.5 * steps_per_epoch)
     assert planned[1] == pytest.approx(0.025 / warmup) and planned[warmup] == pytest.approx(0.025)
-    trained = python_run([*flags, "-n", "trained"])
+    trained = launch([*flags, "-n", "trained"], nproc=None)
     assert trained.returncode == 0, trained.stderr[-3000:]
     with open(tmp_path / "trained" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -134,26 +122,24 @@ def test_idx_files_are_read_and_split(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sweep_and_plots_follow_the_task_s_monitored_metric(tmp_path):
+def test_sweep_and_plots_follow_the_task_s_monitored_metric(tmp_path, monkeypatch, capsys):
     """A fork that reports `mae` (examples/regression.py) sweeps and plots its own metric, lower is better."""
-    cmd = [sys.executable, str(REPO / "tools" / "sweep.py"), "--batch-sizes", "16", "64", "--optimizers", "adamw",
-           "--epochs", "1", "--out", str(tmp_path), "--", "--task", "examples/regression.py:Diabetes"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--batch-sizes", "16", "64", "--optimizers", "adamw", "--epochs", "1", "--out", str(tmp_path), "--",
+            "--task", "examples/regression.py:Diabetes"]  # fmt: skip
+    assert warm_sweep(monkeypatch).main(argv) == 0, capsys.readouterr().err[-3000:]
     table = (tmp_path / "results.md").read_text()
     assert "| Batch | Base LR | mae, final | vs best batch-16 | best epoch | time to train | runs |" in table
     with open(tmp_path / "cells" / "adamw-b16" / "metrics.csv", newline="") as f:
         mae = float(list(csv.DictReader(f))[-1]["val_mae"])
     assert f"| 16 | 0.0007071 | {mae:.2f} | +0.00 |" in table  # as metrics.csv has it, in its units (LR: sqrt rule)
     assert _png(tmp_path / "accuracy_vs_batch.png") and _png(tmp_path / "curves.png")
-    plot = subprocess.run([sys.executable, str(REPO / "tools" / "plot_runs.py"), str(tmp_path / "cells" / "adamw-b16"),
-                           str(tmp_path / "cells" / "adamw-b64"), "-o", str(tmp_path / "two.png")], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    assert plot.returncode == 0 and _png(tmp_path / "two.png"), plot.stderr
-    wrong = subprocess.run([sys.executable, str(REPO / "tools" / "plot_runs.py"), str(tmp_path / "cells" / "adamw-b16"),
-                            "--metric", "acc", "-o", str(tmp_path / "x.png")], capture_output=True, text=True,
-                           timeout=120)  # fmt: skip
-    assert wrong.returncode == 2 and "reports no metric 'acc'" in wrong.stderr
+    plot_runs, cells = load_tool("plot_runs"), tmp_path / "cells"
+    assert plot_runs.main([str(cells / "adamw-b16"), str(cells / "adamw-b64"), "-o", str(tmp_path / "two.png")]) == 0
+    assert _png(tmp_path / "two.png")
+    capsys.readouterr()
+    assert plot_runs.main([str(cells / "adamw-b16"), "--metric", "acc", "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reports no metric 'acc'" in err, err
 
 
 def test_no_tool_names_a_metric_of_the_built_in_task():

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from multiproc import REPO, torchrun
+from multiproc import REPO, launch
 from torch import nn
 
 import run
@@ -125,8 +125,8 @@ def test_two_ranks_with_sparse_tables_give_the_dense_run_s_weights(tmp_path):
     # DDP on gloo reduces the sparse gradients; accumulation (no_sync) and clipping take them as they are.
     flags = [*TASK, "--momentum", "0", "--wd", "0", "-l", "0.5", "--accum-steps", "2", "--clip-grad-norm", "0.5",
              "-b", "16", "-e", "1", "--no-progress", "--runs-dir", str(tmp_path)]  # fmt: skip
-    sparse = torchrun([*flags, "--sparse", "-n", "sparse"])
-    dense = torchrun([*flags, "-n", "dense"])
+    sparse = launch([*flags, "--sparse", "-n", "sparse"])
+    dense = launch([*flags, "-n", "dense"])
     assert sparse.returncode == 0 and dense.returncode == 0, sparse.stderr[-3000:] + dense.stderr[-3000:]
     assert SAID in sparse.stdout and "sparse gradients" not in dense.stdout
     a, b = weights(tmp_path / "sparse"), weights(tmp_path / "dense")
@@ -215,11 +215,10 @@ def test_sparse_gradients_under_nccl_are_one_line_naming_gloo(monkeypatch, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_refused_setting_under_torchrun_exits_2_without_a_traceback(tmp_path):
-    result = torchrun([*TASK, "--sparse", "--optimizer", "adamw", "-e", "1", "--no-progress", "--runs-dir",
-                       str(tmp_path)])  # fmt: skip
+def test_a_refused_setting_on_2_ranks_exits_2_without_a_traceback(tmp_path):
+    result = launch([*TASK, "--sparse", "--optimizer", "adamw", "-e", "1", "--no-progress", "--runs-dir",
+                     str(tmp_path)])  # fmt: skip
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert errors == [f"{WHAT}nn.Embedding(sparse=True)), {REFUSED['--optimizer adamw'][1]}"], result.stderr[-3000:]
-    assert "exitcode  : 2" in result.stderr
-    assert f'File "{REPO / "run.py"}"' not in result.stderr  # torchrun's own report only, no trace of ours
+    assert result.returncode == 2 and "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())

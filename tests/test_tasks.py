@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from multiproc import REPO, preempted, python_run, torchrun
+from multiproc import REPO, launch, preempted
 
 import run
 from ddp_tricks import cli as config
@@ -69,11 +69,11 @@ def plain_metrics(example, run_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("example", list(EXAMPLES))
-def test_example_task_under_torchrun_exact_eval_accumulation_and_resume(example, tmp_path):
+def test_example_task_on_2_ranks_exact_eval_accumulation_and_resume(example, tmp_path):
     flags = [*EXAMPLES[example], "--no-progress", "--runs-dir", str(tmp_path), "--log-interval", "5"]
     # 1. Trains on 2 gloo ranks; the 2-rank evaluation equals one process's, computed plainly.
     long_run = [*flags, "-b", "2", "-e", "2"]  # the SIGTERM comes in epoch 1: the resume crosses an epoch boundary
-    full = torchrun([*long_run, "-n", "full"])
+    full = launch([*long_run, "-n", "full"])
     assert full.returncode == 0, full.stderr[-3000:]
     reported = rows(tmp_path / "full")[-1]
     for name, value in plain_metrics(example, tmp_path / "full").items():
@@ -81,8 +81,8 @@ def test_example_task_under_torchrun_exact_eval_accumulation_and_resume(example,
 
     # 2. --accum-steps 3 gives the weights of 3 times the batch (the global batch 48 leaves 18 and 45 samples for
     # the last step: enough for its 6 micro-batches; fewer would leave it out, and not from the batch of 24)
-    accumulated = torchrun([*flags, "-b", "8", "--accum-steps", "3", "-e", "1", "-n", "accum"])
-    single = torchrun([*flags, "-b", "24", "-e", "1", "-n", "single"])
+    accumulated = launch([*flags, "-b", "8", "--accum-steps", "3", "-e", "1", "-n", "accum"])
+    single = launch([*flags, "-b", "24", "-e", "1", "-n", "single"])
     assert accumulated.returncode == 0 and single.returncode == 0, accumulated.stderr[-2000:] + single.stderr[-2000:]
     a, b = weights(tmp_path / "accum"), weights(tmp_path / "single")
     assert all((a[k] - b[k]).abs().max().item() <= 1e-5 for k in a)
@@ -91,7 +91,7 @@ def test_example_task_under_torchrun_exact_eval_accumulation_and_resume(example,
     run_dir = tmp_path / "pre"
     out, err = preempted([*long_run, "-n", "pre", "--checkpoint-every-steps", "20"], run_dir / "last.pt")
     assert "preempted" in out, (out + err)[-3000:]
-    resumed = torchrun([*long_run, "-n", "pre", "--resume", "auto"])
+    resumed = launch([*long_run, "-n", "pre", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert rows(run_dir) == rows(tmp_path / "full")
     wa, wb = weights(run_dir), weights(tmp_path / "full")
@@ -132,9 +132,9 @@ PLATEAU = {  # settings under which each example overfits or stalls within 30 ep
 @pytest.mark.parametrize("example", list(PLATEAU))
 def test_plateau_and_early_stopping_follow_the_task_s_monitored_metric(example, tmp_path):
     flags, monitored, mode, lr = PLATEAU[example]
-    result = python_run([*EXAMPLES[example], *flags, "-e", "30", "--scheduler", "plateau", "--plateau-patience", "1",
-                         "--plateau-factor", "0.5", "--early-stop-patience", "4", "--no-progress", "-n", "p",
-                         "--runs-dir", str(tmp_path)])  # fmt: skip
+    result = launch([*EXAMPLES[example], *flags, "-e", "30", "--scheduler", "plateau", "--plateau-patience", "1",
+                     "--plateau-factor", "0.5", "--early-stop-patience", "4", "--no-progress", "-n", "p",
+                     "--runs-dir", str(tmp_path)], nproc=None)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     got = rows(tmp_path / "p")
     values = [float(r[monitored]) for r in got]
@@ -162,8 +162,8 @@ def test_regression_reaches_ridge_r2_on_the_same_split(tmp_path):
     ridge = Ridge(alpha=1.0).fit((x[train] - mean) / std, y[train])
     residual = y[val] - ridge.predict((x[val] - mean) / std)
     ridge_r2 = 1 - (residual**2).sum() / ((y[val] - y[val].mean()) ** 2).sum()
-    result = python_run([*EXAMPLES["regression"], "--wd", "0.01", "-b", "16", "-e", "8", "--scheduler", "cosine",
-                         "--no-progress", "-n", "reg", "--runs-dir", str(tmp_path)])  # fmt: skip
+    result = launch([*EXAMPLES["regression"], "--wd", "0.01", "-b", "16", "-e", "8", "--scheduler", "cosine",
+                     "--no-progress", "-n", "reg", "--runs-dir", str(tmp_path)], nproc=None)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     best = min(rows(tmp_path / "reg"), key=lambda r: float(r["val_mae"]))  # what best.pt holds
     assert float(best["val_r2"]) >= ridge_r2 - 0.03, (best["val_r2"], ridge_r2)
@@ -283,8 +283,8 @@ def test_a_mistake_in_a_task_is_one_line_exit_2_and_leaves_nothing(spec, extra, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_task_mistake_under_torchrun_is_printed_once_and_every_rank_exits_2(tmp_path):
-    result = torchrun(["--monitor-metric", "val_f1", "--runs-dir", str(tmp_path / "runs")])
+def test_a_task_mistake_on_2_ranks_is_printed_once_and_the_job_exits_2(tmp_path):
+    result = launch(["--monitor-metric", "val_f1", "--runs-dir", str(tmp_path / "runs")])
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "--monitor-metric 'val_f1' is not a reported metric" in errors[0]
-    assert "exitcode  : 2" in result.stderr and not (tmp_path / "runs").exists()
+    assert result.returncode == 2 and not (tmp_path / "runs").exists()
