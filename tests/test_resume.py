@@ -234,12 +234,20 @@ def test_a_dead_rank_makes_the_others_fail_not_hang():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killed_worker_without_restarts_ends_the_job(tmp_path):
+    """Rank 0 killed with -9: rank 1 ends by itself within seconds, saying why in one line, with no launcher to stop
+    it (torchrun's agent would; a rank on another node has none that knows)."""
     run_dir = tmp_path / "dead"
-    proc = _torchrun([*FLAGS, "--epochs", "2", "-n", "dead", "--runs-dir", str(tmp_path)])
-    _wait_for(lambda: (run_dir / "workers.json").exists())
-    os.kill(_pids(run_dir)[0], signal.SIGKILL)
-    proc.communicate(timeout=120)  # no hang
-    assert proc.returncode != 0
+    job = Job([*FLAGS, "--epochs", "2", "-n", "dead", "--runs-dir", str(tmp_path)], stop_others=False)
+    try:
+        _wait_for(lambda: (run_dir / "workers.json").exists())
+        os.kill(_pids(run_dir)[0], signal.SIGKILL)
+        killed = time.time()
+        _, err = job.communicate(timeout=120)  # no hang
+    finally:
+        if job.returncode is None:
+            job.kill()
+    assert job.exitcodes[0] == -signal.SIGKILL and job.exitcodes[1] == 1 and time.time() - killed < 30, err[-3000:]
+    assert "error: on rank 1: another process of the job is gone" in err and "Traceback" not in err, err[-3000:]
 
 
 @pytest.mark.slow
