@@ -140,9 +140,14 @@ def run_world(world_size: int, args, target=None, timeout: float = 900.0, poll: 
                 raise RuntimeError(f"world size {world_size}: every rank exited, and rank 0 reported nothing")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"world size {world_size}: no result after {timeout:.0f} s")
+    except BaseException:  # the ranks still running wait for one that will not come: none is waited for
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=10)  # after a result, the ranks are ending by themselves
             if p.is_alive():
                 p.kill()
                 p.join()
