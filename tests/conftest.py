@@ -6,7 +6,6 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # --compile: inductor compiles in-process, no worker pool
 
 
 def pytest_collection_modifyitems(config, items):

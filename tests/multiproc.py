@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -104,14 +105,15 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, reporting=None, 
 # ---------------------------------------------------------------- run.py on warm ranks, as torchrun starts them
 
 RUN_PY = REPO / "run.py"
-_NOT_ON_A_USERS_PATH = {str(REPO / d) for d in ("tests", "bench", "tools", "examples")}  # what pytest put there
+_ADDED_BY_TESTS = {str(REPO / d) for d in ("tests", "bench")}  # on the tests' sys.path, not on a user's
 STOP_GRACE = 30  # seconds torchrun's agent waits after its SIGTERM to the workers before SIGKILL
+PIDS = "TEST_JOB_PIDS"  # a warm rank's environment: the file of its job's process ids (rank_tasks.Preempting)
 
 
 def torchrun_environment(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
     """What `torchrun --standalone --nproc_per_node=N` puts in a worker's environment (torch's LocalElasticAgent):
     the agent hosts the store at MASTER_ADDR:MASTER_PORT and every rank is its client (TORCHELASTIC_USE_AGENT_STORE).
-    test_launchers.py compares it with what the real torchrun gives."""
+    test_end_to_end.py holds what a warm rank sees to what a real torchrun worker sees."""
     return {
         "RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
@@ -122,24 +124,41 @@ def torchrun_environment(rank: int, nproc: int, port: int, run_id: str) -> dict[
     }  # fmt: skip
 
 
-def _run_py(args, environ, cwd, out, err):
-    """One process of the job: `python -u run.py ARGS` with this environment, folder and output files, as a fresh
-    interpreter runs it (sys.path, argv, __main__), except that its imports are already done. Exits with run.py's
-    code, or 1 with the traceback, as python does."""
+def _die_with_the_fork_server() -> None:
+    """SIGKILL for this rank when its parent, the fork server, goes (the pytest worker died): no orphan trains on."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_script(script, args, environ, cwd, out, err):
+    """One process of a job: `python -u SCRIPT ARGS` with this environment, folder and output files, in a session
+    of its own (as torchrun starts a worker). As a fresh interpreter runs it (sys.path, argv, __main__, its exit
+    code, or 1 with the traceback; threads joined, then atexit), except what a fork of a warm server cannot change:
+    the modules the server imported are imported (a missing import of run.py's would go unseen here; the tests
+    under the real launchers would see it), their import-time reads of the environment and warnings are the
+    server's, and the hash seed is the server's."""
+    _die_with_the_fork_server()
+    os.setsid()
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    sys.path[:] = [str(REPO), *(p for p in sys.path if p not in _NOT_ON_A_USERS_PATH and p != str(REPO))]
-    sys.argv = [str(RUN_PY), *args]
+    sys.path[:] = [str(Path(script).parent), *(p for p in sys.path if p not in _ADDED_BY_TESTS)]
+    sys.argv = [str(script), *args]
     for fd, path in ((1, out), (2, err)):  # shared by the job's ranks, appended to, like a launcher's inherited pipe
         opened = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(opened, fd)
         os.close(opened)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # python -u
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    for fd, name in ((1, "stdout"), (2, "stderr")):  # python -u, with the interpreter's own encoding and errors
+        own = getattr(sys, f"__{name}__", None)  # None where the server started without it: the locale's
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                            encoding=own and own.encoding, errors=own and own.errors))  # fmt: skip
     code = 0
     try:
-        runpy.run_path(str(RUN_PY), run_name="__main__")
+        runpy.run_path(str(script), run_name="__main__")
     except SystemExit as done:
         if done.code is None or isinstance(done.code, int):
             code = done.code or 0
@@ -149,19 +168,23 @@ def _run_py(args, environ, cwd, out, err):
     except BaseException:
         traceback.print_exc()
         code = 1
-    atexit._run_exitfuncs()  # what the interpreter runs at its exit
+    threading._shutdown()  # what the interpreter does at its end: non-daemon threads first, then atexit
+    atexit._run_exitfuncs()
     sys.exit(code)
 
 
 class Job:
-    """`torchrun --standalone --nproc_per_node=N run.py ARGS` (or, with nproc=None, `python run.py ARGS`) for a test
-    whose subject is run.py, not the launcher: each rank is a new process forked from the warm server (about 1 s to
-    start instead of 5-8 s), given torchrun's worker environment and the agent's store, with the output of all ranks
-    in one stdout and one stderr. As torchrun's agent does, the first rank to fail has the others sent SIGTERM
-    (SIGKILL 30 s later), and a signal to the job goes to every rank. `stop_others=False` leaves the others to end
-    by themselves, as a rank on another node must (its own agent does not know of a failure elsewhere). Popen's
-    interface: poll, wait, communicate, send_signal, kill, returncode (0, or the exit code of the first rank seen to
-    fail; torchrun would say 1 and print the ranks' codes), and `exitcodes` by rank."""
+    """`torchrun --standalone --nproc_per_node=N run.py ARGS` (nproc=None: `python -u run.py ARGS`) for a test
+    whose subject is run.py, not its launcher: each rank is a new process forked from the warm server (well under a
+    second to start instead of 5-8 s of CPU), given torchrun's worker environment and the agent's store, the
+    output of all ranks in one stdout and one stderr. Used as `with Job(...) as job:` (leaving it kills what still
+    runs and releases the store). What torchrun's agent does, it does:
+    - the first rank to fail has the others sent SIGTERM, SIGKILL 30 s later (`stop_others=False`: they are left
+      to end by themselves, as the ranks of another node must: their agent does not know of a failure elsewhere);
+    - send_signal() is a signal to the job: sent once to every rank, SIGKILL 30 s later to any still running.
+    poll() carries these out, so it is to be called while waiting (wait() and communicate() do). `returncode`: 0,
+    or the exit code of the first rank seen to fail (torchrun itself would exit 1 and print the ranks' codes);
+    `exitcodes`: by rank. wait(timeout) kills the ranks when it runs out, then raises subprocess.TimeoutExpired."""
 
     def __init__(
         self,
@@ -170,17 +193,21 @@ class Job:
         cwd: Path | None = None,
         env: dict | None = None,
         stop_others: bool = True,
+        script: Path = RUN_PY,
     ):
-        import torch.distributed as dist
-
         self.args = [str(a) for a in args]
-        environ = dict(os.environ if env is None else env)
+        self.script = Path(script)
+        self.stop_others = stop_others
+        self.returncode = None
+        self._first_failure = None
+        self._kill_at = None
         self._folder = tempfile.mkdtemp(prefix="job-")
         self._out, self._err = (os.path.join(self._folder, name) for name in ("stdout", "stderr"))
         for path in (self._out, self._err):
             open(path, "w").close()
-        pids_file = os.path.join(self._folder, "pids")  # the ranks' process ids, for a task that plays the scheduler
-        environ["JOB_PIDS"] = pids_file
+        environ = dict(os.environ if env is None else env)
+        pids_file = os.path.join(self._folder, "pids")
+        environ[PIDS] = pids_file
         self._store = None
         if nproc is None:
             environs = [environ]
@@ -189,39 +216,45 @@ class Job:
             run_id = str(uuid.uuid4())
             environs = [environ | torchrun_environment(r, nproc, self._store.port, run_id) for r in range(nproc)]
         ctx = _context()
-        self.procs = [ctx.Process(target=_run_py, args=(self.args, e, str(cwd or REPO), self._out, self._err))
+        where = str(cwd or REPO)
+        self.procs = [ctx.Process(target=_run_script, args=(self.script, self.args, e, where, self._out, self._err))
                       for e in environs]  # fmt: skip
-        for p in self.procs:
-            p.start()
+        try:
+            for p in self.procs:
+                p.start()
+        except BaseException:
+            self.close()
+            raise
         self.pids = [p.pid for p in self.procs]
         Path(pids_file + ".tmp").write_text(" ".join(map(str, self.pids)))
         os.replace(pids_file + ".tmp", pids_file)  # whole when read: the ranks are still starting
-        self.pid = self.pids[0]
-        self.returncode = None
-        self.stop_others = stop_others
-        self._first_failure = None
-        self._stop_by = None
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def exitcodes(self) -> list[int | None]:
         return [p.exitcode for p in self.procs]
 
     def poll(self) -> int | None:
-        """None while a rank runs; after the first failure, the others are sent SIGTERM (SIGKILL 30 s later), unless
-        they are to end by themselves."""
+        """None while a rank runs. Also does what the agent would now: after the first failure, SIGTERM to the
+        others (unless they are to end by themselves); SIGKILL to any rank still running 30 s after a SIGTERM."""
         if self._first_failure is None:
             failed = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
             if failed:
                 self._first_failure = failed[0]
-                if self.stop_others:
-                    self.send_signal(signal.SIGTERM)
-                    self._stop_by = time.monotonic() + STOP_GRACE
-        if self._stop_by is not None and time.monotonic() > self._stop_by:
-            self.kill()
+                if self.stop_others and self._kill_at is None:
+                    self._signal_ranks(signal.SIGTERM)
+                    self._kill_at = time.monotonic() + STOP_GRACE
+        if self._kill_at is not None and time.monotonic() > self._kill_at:
+            self._signal_ranks(signal.SIGKILL)
+            self._kill_at = None
         if any(p.exitcode is None for p in self.procs):
             return None
         self.returncode = self._first_failure or 0
-        self._store = None  # the agent's store goes with the job
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -230,46 +263,61 @@ class Job:
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
                 self.kill()
-                for p in self.procs:
-                    p.join(timeout=10)
-                raise subprocess.TimeoutExpired([str(RUN_PY), *self.args], timeout, *self._read())
+                raise subprocess.TimeoutExpired([str(self.script), *self.args], timeout, *self._read())
             multiprocessing.connection.wait([p.sentinel for p in self.procs if p.exitcode is None], timeout=0.05)
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) of every rank, once the job has ended (see wait)."""
         self.wait(timeout)
-        out, err = self._read()
-        shutil.rmtree(self._folder, ignore_errors=True)
-        return out, err
+        return self._read()
 
     def send_signal(self, sig: int) -> None:
+        """A signal to the job, as to torchrun: forwarded once to every rank; SIGKILL 30 s later to any still
+        running."""
+        self._signal_ranks(sig)
+        if self._kill_at is None:
+            self._kill_at = time.monotonic() + STOP_GRACE
+
+    def kill(self) -> None:
+        """SIGKILL to every rank still running; returns once they are gone."""
+        self._signal_ranks(signal.SIGKILL)
         for p in self.procs:
-            if p.exitcode is None:
+            if p.pid is not None:
+                p.join(timeout=10)
+
+    def close(self) -> None:
+        """Kill what still runs, and release the store and the output files."""
+        if any(p.exitcode is None for p in self.procs if p.pid is not None):
+            self.kill()
+        self._store = None
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _signal_ranks(self, sig: int) -> None:
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
                 try:
                     os.kill(p.pid, sig)
                 except ProcessLookupError:
                     pass
 
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
     def _read(self) -> tuple[str, str]:
         return tuple(Path(path).read_text(errors="replace") for path in (self._out, self._err))
 
 
-def launch(args: list[str], nproc: int | None = 2, timeout: float = 240, cwd: Path | None = None):
-    """run.py ARGS on `nproc` warm ranks as torchrun starts them (nproc=None: one process, as `python run.py`), to
-    its end; a CompletedProcess (returncode: 0, or the first failing rank's code)."""
-    job = Job(args, nproc, cwd)
-    try:
+def launch(args: list[str], nproc: int | None = 2, timeout: float = 240, cwd: Path | None = None, env=None,
+           stop_others: bool = True) -> subprocess.CompletedProcess:  # fmt: skip
+    """run.py ARGS on `nproc` warm ranks as torchrun starts them (nproc=None: one process, as `python -u run.py`),
+    to its end (see Job); a CompletedProcess (returncode: 0, or the first failing rank's code) with `exitcodes`,
+    each rank's."""
+    with Job(args, nproc, cwd, env, stop_others) as job:
         out, err = job.communicate(timeout=timeout)
-    finally:
-        if job.returncode is None:
-            job.kill()
-    return subprocess.CompletedProcess([str(RUN_PY), *job.args], job.returncode, out, err)
+        result = subprocess.CompletedProcess([str(RUN_PY), *job.args], job.returncode, out, err)
+        result.exitcodes = job.exitcodes
+    return result
 
 
-def _torchrun_command(args: list[str], nproc: int = 2, extra=()) -> list[str]:
+def torchrun_command(args: list[str], nproc: int = 2, extra=()) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -284,24 +332,20 @@ def _torchrun_command(args: list[str], nproc: int = 2, extra=()) -> list[str]:
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | None = None, extra=()):
     """`torchrun --standalone --nproc_per_node=N run.py ARGS`, as a user types it."""
-    cmd = _torchrun_command(args, nproc, extra)
+    cmd = torchrun_command(args, nproc, extra)
     return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def preempted(args: list[str], checkpoint: Path, timeout: float = 120, nproc: int = 2, ready=None) -> tuple[str, str]:
     """run.py ARGS on `nproc` warm ranks (`Job`), SIGTERM to every rank, as torchrun forwards it, as soon as
     `checkpoint` exists (or `ready()` is true); the job's (stdout, stderr). Both waits are bounded."""
-    job = Job(args, nproc)
     ready = ready or checkpoint.exists
-    deadline = time.time() + timeout
-    try:
-        while not ready() and time.time() < deadline and job.poll() is None:
+    deadline = time.monotonic() + timeout
+    with Job(args, nproc) as job:
+        while not ready() and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.02)
         job.send_signal(signal.SIGTERM)
         return job.communicate(timeout=timeout)
-    finally:
-        if job.returncode is None:
-            job.kill()
 
 
 def full_state(path: Path) -> dict:

@@ -111,7 +111,8 @@ class Preempting:
     rank 0 sends SIGTERM to its launcher, as a cluster's scheduler would, and the launcher forwards it to every
     worker: the job then stops at an agreed step, its checkpoint written, at a known place in the run. On the tests'
     warm ranks (multiproc.Job), whose parent is no launcher, rank 0 sends it to every rank of the job itself, as a
-    launcher would ($JOB_PIDS names the file of their process ids). Without $PREEMPT_AFTER, the task as it is."""
+    launcher would ($TEST_JOB_PIDS names the file of their process ids). Without $PREEMPT_AFTER, the task as it
+    is."""
 
     micro_batches = 0
 
@@ -120,8 +121,8 @@ class Preempting:
         if after and torch.is_grad_enabled() and dist.is_initialized():
             self.micro_batches += 1
             if self.micro_batches == after and dist.get_rank() == 0:
-                job = os.environ.get("JOB_PIDS")
-                for pid in map(int, open(job).read().split()) if job else [os.getppid()]:
+                job = os.environ.get("TEST_JOB_PIDS")
+                for pid in map(int, Path(job).read_text().split()) if job else [os.getppid()]:
                     os.kill(pid, signal.SIGTERM)
         return super().loss(outputs, targets)
 

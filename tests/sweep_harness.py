@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 
-from multiproc import REPO, launch
+from multiproc import REPO, launch, torchrun_command
 
 
 def load_tool(name: str):
@@ -37,14 +37,17 @@ def recording_sweep(monkeypatch):
 
 def warm_sweep(monkeypatch):
     """The sweep module whose cells, the torchrun commands it builds, run on the tests' warm ranks (multiproc.launch)
-    with that command's process count and arguments; anything else it runs, as it is."""
+    with that command's process count and arguments; anything else it runs, as it is. A cell's command must be,
+    word for word, the torchrun command that other tests run for real (multiproc.torchrun)."""
     sweep, real_run = load_sweep(), subprocess.run
 
     def run(cmd, **kw):
         if cmd[1:3] != ["-m", "torch.distributed.run"]:
             return real_run(cmd, **kw)
         nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
-        return launch(cmd[cmd.index(str(REPO / "run.py")) + 1 :], nproc=nproc, cwd=kw.get("cwd"))
+        flags = cmd[cmd.index(str(REPO / "run.py")) + 1 :]
+        assert cmd == torchrun_command(flags, nproc), cmd
+        return launch(flags, nproc=nproc, cwd=kw.get("cwd"))
 
     monkeypatch.setattr(sweep.subprocess, "run", run)
     return sweep

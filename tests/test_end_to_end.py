@@ -3,14 +3,17 @@ writes; the tests' warm ranks (multiproc.launch) give what torchrun gives."""
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from multiproc import REPO, launch, torchrun, torchrun_environment
+from multiproc import PIDS, REPO, Job, launch, torchrun, torchrun_environment
 
 TIMING = {"epoch_seconds", "samples_per_second"}
+# torchrun's own log lines, such as "W1125 22:16:17.106000 5492 torch/distributed/run.py:982] ..."
+TORCHRUN_LOG = re.compile(r"[WIE]\d{4} [\d:.]+ \d+ torch/")
 
 
 def _metrics(run_dir, name="metrics.csv"):
@@ -79,8 +82,13 @@ def test_torchrun_two_ranks_writes_a_complete_run_folder(twice):
 @pytest.mark.timeout(600)
 def test_same_command_twice_gives_identical_metrics_under_torchrun_and_on_warm_ranks(twice):
     tmp_path, results = twice
-    for result in results.values():
+    said = {}
+    for name, result in results.items():
         assert "--deterministic: an op without a deterministic kernel warns once" in result.stdout  # said at start
+        out = re.sub(r"\d+\.\ds, \d+ samples/s", "(time)", result.stdout).replace(str(tmp_path / name), "(run)")
+        err = [line for line in result.stderr.splitlines() if not TORCHRUN_LOG.match(line)]  # torchrun's own log
+        said[name] = out, err
+    assert said["a"] == said["b"]  # every line either printed, but the timings and the run's folder
     a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     strip = (
         [{k: v for k, v in row.items() if k not in TIMING} for row in a],
@@ -121,34 +129,46 @@ def test_bad_flag_exits_2_on_every_rank_printed_once(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-ENVIRONMENT = """
-import json, os, sys
-with open(os.path.join(sys.argv[1], os.environ.get("RANK", "plain") + ".json"), "w") as f:
-    json.dump(dict(os.environ), f)
+PROBE = """
+import json, os, signal, sys, threading
+handlers = {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGTERM", "SIGINT", "SIGPIPE", "SIGCHLD")}
+seen = {
+    "environ": dict(os.environ), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "handlers": handlers,
+    "session_leader": os.getsid(0) == os.getpid(), "threads": [t.name for t in threading.enumerate()],
+    "stdio": [(s.encoding, s.errors, s.write_through) for s in (sys.stdout, sys.stderr)], "main": __name__,
+}
+with open(os.path.join(sys.argv[1], sys.argv[2] + "-" + os.environ.get("RANK", "") + ".json"), "w") as f:
+    json.dump(seen, f)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_warm_ranks_get_the_environment_torchrun_gives_its_workers(tmp_path):
-    """What torchrun adds to a worker's environment (torch's LocalElasticAgent), against what multiproc gives the
-    warm ranks: the same variables with the same values, but for the store's address and the run's id; nothing
-    that torchrun adds is missing."""
-    script = tmp_path / "env.py"
-    script.write_text(ENVIRONMENT)
-    plain = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-               str(tmp_path)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=90)
-    assert plain.returncode == 0 and result.returncode == 0, plain.stderr[-3000:] + result.stderr[-3000:]
-    before = json.loads((tmp_path / "plain.json").read_text())  # what any child of this process starts with
-    launcher_own = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}  # its error file and signal list
+def test_warm_ranks_see_what_torchrun_s_workers_see(tmp_path):
+    """One script under torchrun and on warm ranks (multiproc.Job): the variables torchrun adds to a worker's
+    environment (torch's LocalElasticAgent), with their values but for the store's address and the run's id, argv,
+    sys.path's first entry, the folder, the signal handlers, a session of its own, one thread, stdio as `python -u`
+    sets it up. (What a fork of a warm server cannot show: the docstring of multiproc._run_script.)"""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    plain = subprocess.run([sys.executable, str(probe), str(tmp_path), "plain"], capture_output=True, timeout=60)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe),
+               str(tmp_path), "real"]  # fmt: skip
+    real = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    with Job([str(tmp_path), "warm"], script=probe) as job:
+        _, warm_err = job.communicate(timeout=60)
+    assert plain.returncode == 0 and real.returncode == 0 and job.returncode == 0, real.stderr[-3000:] + warm_err
+    before = json.loads((tmp_path / "plain-.json").read_text())["environ"]  # what any child of this process has
+    by_store = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}  # localhost / 127.0.0.1, a port, an id
+    left_out = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", PIDS, *by_store}  # launchers' own
     for rank in (0, 1):
-        real = json.loads((tmp_path / f"{rank}.json").read_text())
-        added = {k: v for k, v in real.items() if before.get(k) != v and k not in launcher_own}
-        warm = torchrun_environment(rank, 2, int(real["MASTER_PORT"]), real["TORCHELASTIC_RUN_ID"])
-        assert added.keys() == warm.keys(), added.keys() ^ warm.keys()
-        assert {k: v for k, v in added.items() if k != "MASTER_ADDR"} == {
-            k: v for k, v in warm.items() if k != "MASTER_ADDR"
-        }
-        assert added["MASTER_ADDR"] == "localhost" and warm["MASTER_ADDR"] == "127.0.0.1"  # both this machine
+        seen = {name: json.loads((tmp_path / f"{name}-{rank}.json").read_text()) for name in ("real", "warm")}
+        store = {}
+        for name, what in seen.items():
+            environ = what.pop("environ")
+            store[name] = {k: environ[k] for k in by_store}
+            what["added"] = {k: v for k, v in environ.items() if before.get(k) != v and k not in left_out}
+            assert what["argv"].pop() == name  # the script's own argument: which launcher ran it
+        assert seen["real"] == seen["warm"], (seen["real"], seen["warm"])
+        warm = store["warm"] | seen["warm"]["added"]
+        assert warm == torchrun_environment(rank, 2, int(warm["MASTER_PORT"]), warm["TORCHELASTIC_RUN_ID"])

@@ -3,6 +3,7 @@ for every optimizer (accumulation and clipping too), LARS / LAMB / Lookahead are
 all-reduce per step for all the norms, and sharded checkpoints resume exactly, at another world size too, and
 survive a kill mid-write."""
 
+import json
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import Job, full_state, launch, preempted, run_ranks
+from multiproc import Job, full_state, launch, preempted, run_ranks, torchrun
 from torch import nn
 
 import run
@@ -182,10 +183,10 @@ FLAGS = ["--strategy", "fsdp", "--no-progress", "--optimizer", "lamb", "-l", "0.
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory):
-    """One 2-epoch --strategy fsdp run on 2 ranks, shared by the tests below that need a finished sharded run
-    (they copy it before changing anything)."""
+    """One 2-epoch --strategy fsdp run under torchrun, as a user launches it, shared by the tests below that need
+    a finished sharded run (they copy it before changing anything)."""
     runs = tmp_path_factory.mktemp("sharded")
-    full = launch([*FLAGS, "--runs-dir", str(runs), "-n", "full", "-e", "2"])
+    full = torchrun([*FLAGS, "--runs-dir", str(runs), "-n", "full", "-e", "2"])
     assert full.returncode == 0, full.stderr[-3000:]
     return runs / "full"
 
@@ -279,17 +280,17 @@ def test_a_kill_during_a_sharded_checkpoint_write_leaves_the_previous_one_loadab
         "--checkpoint-every-steps",
         "1",
     ]
-    job = Job(flags)
-    sharded_dir, deadline = tmp_path / "k" / "sharded", time.time() + 180
-    while time.time() < deadline:  # a second checkpoint's folder appears while last.dcp names the first
-        link = tmp_path / "k" / "last.dcp"
-        folders = sorted(sharded_dir.iterdir()) if sharded_dir.exists() else []
-        if link.exists() and any(f.resolve() != link.resolve() for f in folders):
-            break
-        time.sleep(0.005)
-    workers = [int(pid) for pid in __import__("json").loads((tmp_path / "k" / "workers.json").read_text())["pids"]]
-    os.kill(workers[1], signal.SIGKILL)
-    job.communicate(timeout=120)
+    with Job(flags) as job:
+        sharded_dir, deadline = tmp_path / "k" / "sharded", time.time() + 180
+        while time.time() < deadline and job.poll() is None:  # a second checkpoint's folder, last.dcp at the first
+            link = tmp_path / "k" / "last.dcp"
+            folders = sorted(sharded_dir.iterdir()) if sharded_dir.exists() else []
+            if link.exists() and any(f.resolve() != link.resolve() for f in folders):
+                break
+            time.sleep(0.005)
+        workers = [int(pid) for pid in json.loads((tmp_path / "k" / "workers.json").read_text())["pids"]]
+        os.kill(workers[1], signal.SIGKILL)
+        job.communicate(timeout=120)
     assert job.exitcodes[1] == -signal.SIGKILL and job.returncode != 0
     kept = (tmp_path / "k" / "last.dcp").resolve()
     assert (kept / "state.pt").exists() and (kept / ".metadata").exists()
@@ -448,11 +449,13 @@ def test_fsdp_runs_every_trick_and_its_evaluation_is_exact(tmp_path):
     and per-token units on shards; the 2-rank evaluation equals one process's on best.pt's plain weights."""
     tricks = ["--precise-bn", "200", "--scheduler", "plateau", "--early-stop-patience", "2", "--accum-steps", "2",
               "--clip-grad-norm", "1"]  # fmt: skip
-    # bf16 and fp16 (emulated on a CPU: 3x slower) one epoch each; the tricks two (a second sharded checkpoint)
-    runs = {"bf16": ["--amp", "bf16", "-e", "1"], "fp16": ["--amp", "fp16", "-e", "1"], "tricks": [*tricks, "-e", "2"]}
+    # bf16 and fp16 (emulated on a CPU: 3x slower) in fewer, larger steps (-b 64): two epochs each all the same, so
+    # training follows an evaluation and a second sharded checkpoint (with the GradScaler's state) replaces the first
+    runs = {"bf16": ["--amp", "bf16", "-b", "64"], "fp16": ["--amp", "fp16", "-b", "64"], "tricks": tricks}
     for name, extra in runs.items():
-        result = launch([*FLAGS, "--runs-dir", str(tmp_path), "-n", name, *extra])
+        result = launch([*FLAGS, "--runs-dir", str(tmp_path), "-n", name, "-e", "2", *extra])
         assert result.returncode == 0, (name, result.stderr[-3000:])
+        assert len(_rows(tmp_path / name)) == 3, name  # the header and both epochs
     lm = launch(["--strategy", "fsdp", "--task", "examples/language_model.py:PythonSourceLM", "--max-sequences",
                  "240", "--max-length", "32", "--width", "16", "--depth", "2", "--heads", "2", "-b", "4", "-e", "1",
                  "--no-progress", "--runs-dir", str(tmp_path), "-n", "lm", "--optimizer", "lamb"])  # fmt: skip

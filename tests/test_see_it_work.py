@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from multiproc import REPO, launch
+from multiproc import REPO, launch, python_run
 from sweep_harness import load_tool, warm_sweep
 
 from ddp_tricks import UserError
@@ -97,7 +97,7 @@ def test_plot_lr_draws_the_schedule_training_then_follows(tmp_path):
     # by hand: 0.05 x 32/64 = 0.025 peak; warmup 0.5 epoch; poly power 1 to 0 over the rest
     warmup = round(0.5 * steps_per_epoch)
     assert planned[1] == pytest.approx(0.025 / warmup) and planned[warmup] == pytest.approx(0.025)
-    trained = launch([*flags, "-n", "trained"], nproc=None)
+    trained = python_run([*flags, "-n", "trained"])  # `python run.py` itself: a training run in one process
     assert trained.returncode == 0, trained.stderr[-3000:]
     with open(tmp_path / "trained" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))

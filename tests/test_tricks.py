@@ -176,7 +176,8 @@ def test_original_lars_command_line_runs_unchanged(tmp_path):
         "--epochs",
         "2",
     ]
-    result = launch(args, cwd=tmp_path)  # its launcher's part, torchrun: test_end_to_end.py
+    # run.py's part of that command line, from another folder (torchrun itself runs run.py in test_end_to_end.py)
+    result = launch(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     config = json.loads((run_dir / "config.json").read_text())
