@@ -134,6 +134,18 @@ def _die_with_the_fork_server() -> None:
         pass
 
 
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # TORCHELASTIC_SIGNALS_TO_HANDLE: the agent catches them
+
+
+def _signals_as_torchrun_s_worker() -> None:
+    """The signal dispositions a worker that torchrun's agent exec'd starts with: the signals the agent catches are
+    back at their defaults after exec, and a fresh interpreter then sets SIGINT to KeyboardInterrupt. Without this
+    a rank would keep what the test process had: under `nohup` or `make test &`, SIGINT and SIGHUP ignored."""
+    for name in AGENT_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _run_script(script, args, environ, cwd, out, err):
     """One process of a job: `python -u SCRIPT ARGS` with this environment, folder and output files, in a session
     of its own (as torchrun starts a worker). As a fresh interpreter runs it (sys.path, argv, __main__, its exit
@@ -142,6 +154,7 @@ def _run_script(script, args, environ, cwd, out, err):
     under the real launchers would see it), their import-time reads of the environment and warnings are the
     server's, and the hash seed is the server's."""
     _die_with_the_fork_server()
+    _signals_as_torchrun_s_worker()
     os.setsid()
     os.environ.clear()
     os.environ.update(environ)

@@ -131,7 +131,8 @@ def test_bad_flag_exits_2_on_every_rank_printed_once(tmp_path):
 
 PROBE = """
 import json, os, signal, sys, threading
-handlers = {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGTERM", "SIGINT", "SIGPIPE", "SIGCHLD")}
+names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGCHLD")
+handlers = {name: str(signal.getsignal(getattr(signal, name))) for name in names}
 seen = {
     "environ": dict(os.environ), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "handlers": handlers,
     "session_leader": os.getsid(0) == os.getpid(), "threads": [t.name for t in threading.enumerate()],
