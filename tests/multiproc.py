@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddp_tricks.storage import files
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -239,8 +241,7 @@ class Job:
             self.close()
             raise
         self.pids = [p.pid for p in self.procs]
-        Path(pids_file + ".tmp").write_text(" ".join(map(str, self.pids)))
-        os.replace(pids_file + ".tmp", pids_file)  # whole when read: the ranks are still starting
+        files.write_text(pids_file, " ".join(map(str, self.pids)))  # whole when read: the ranks are still starting
 
     def __enter__(self) -> Job:
         return self
@@ -330,7 +331,7 @@ def launch(args: list[str], nproc: int | None = 2, timeout: float = 240, cwd: Pa
     return result
 
 
-def torchrun_command(args: list[str], nproc: int = 2, extra=()) -> list[str]:
+def torchrun_command(args: list[str], nproc: int = 2, extra=(), script: Path = RUN_PY) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -338,7 +339,7 @@ def torchrun_command(args: list[str], nproc: int = 2, extra=()) -> list[str]:
         "--standalone",
         f"--nproc_per_node={nproc}",
         *extra,
-        str(REPO / "run.py"),
+        str(script),
         *args,
     ]
 

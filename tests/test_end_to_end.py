@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from multiproc import PIDS, REPO, Job, launch, torchrun, torchrun_environment
+from multiproc import PIDS, REPO, Job, launch, torchrun, torchrun_command, torchrun_environment
 
 TIMING = {"epoch_seconds", "samples_per_second"}
 # torchrun's own log lines, such as "W1125 22:16:17.106000 5492 torch/distributed/run.py:982] ..."
@@ -153,9 +153,8 @@ def test_warm_ranks_see_what_torchrun_s_workers_see(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     plain = subprocess.run([sys.executable, str(probe), str(tmp_path), "plain"], capture_output=True, timeout=60)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe),
-               str(tmp_path), "real"]  # fmt: skip
-    real = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    real = subprocess.run(torchrun_command([str(tmp_path), "real"], script=probe), capture_output=True, text=True,
+                          timeout=90)  # fmt: skip
     with Job([str(tmp_path), "warm"], script=probe) as job:
         _, warm_err = job.communicate(timeout=60)
     assert plain.returncode == 0 and real.returncode == 0 and job.returncode == 0, real.stderr[-3000:] + warm_err

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from multiproc import REPO, Job, free_port, launch, run_ranks
+from multiproc import REPO, Job, free_port, launch, run_ranks, torchrun_command
 
 from ddp_tricks.storage import checkpoint
 
@@ -66,16 +66,7 @@ def test_resume_after_an_epoch_is_bit_identical(uninterrupted, tmp_path):
 
 def _torchrun(args, extra=()):
     """The real launcher, for what it does: forward a signal to every worker, restart a job."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        *extra,
-        str(REPO / "run.py"),
-        *args,
-    ]
+    cmd = torchrun_command(args, extra=extra)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
