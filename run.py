@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, check everything a user can get wrong (before any process group), join, train. The exit code."""
     process = launch.detect()
     flags = None
+    watchdog.hold_sigterm()  # until the group: a rank still checking says its error before a SIGTERM ends it
     try:
         flags, task_class = cli.parse(argv)
         process = launch.detect(flags.local_rank)

@@ -1,6 +1,6 @@
 """Task files as a user writes them (see task.py), for the tests of what happens across ranks: a model with a branch
-that some batches skip, a head no step uses, a rank that fails in its fifth step, a rank that stops answering.
-Each is the built-in digits task with one change.
+that some batches skip, a head no step uses, a rank that fails in its fifth step, a rank that stops answering, a
+mistake that every rank finds, rank 0 last. Each is the built-in digits task with one change.
 
     torchrun --standalone --nproc_per_node=2 run.py --task tests/rank_tasks.py:SometimesAux -b 8
 """
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_tricks import UserError
 from task import Task
 
 BRIGHT = 0.1  # a digit image whose mean pixel is above this (about one in ten) is "bright"
@@ -48,6 +49,16 @@ def stamp() -> None:
     if os.environ.get("STEP_TIMES") and torch.is_grad_enabled():
         with open(f"{os.environ['STEP_TIMES']}.{dist.get_rank() if dist.is_initialized() else 0}", "a") as f:
             f.write(f"{time.time()}\n")
+
+
+class MistakeBeforeTheGroup(Task):
+    """Every rank finds the same mistake in its data, before any process group, rank 0 a second after rank 1 (as a
+    loaded machine can have it): rank 0 is the one to say it."""
+
+    def datasets(self):
+        if os.environ.get("RANK") == "0":
+            time.sleep(1)
+        raise UserError("the task's data is wrong (a test's own mistake)")
 
 
 class SometimesAux(Task):

@@ -275,6 +275,62 @@ def test_a_rank_that_fails_in_its_fifth_step_ends_the_job_within_seconds_its_err
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_a_mistake_every_rank_finds_is_said_though_the_launcher_stops_rank_0_before_it_has(tmp_path):
+    """Rank 1 leaves first (rank 0 says the mistake), and the launcher, as torchrun's agent does, then sends rank 0
+    SIGTERM while it still checks. Rank 0 still says it, once, and ends with 2 (watchdog.hold_sigterm). Before,
+    SIGTERM killed it unheard: exit codes [-15, 2] and no error line."""
+    args = ["--task", "tests/rank_tasks.py:MistakeBeforeTheGroup", "--no-progress", "--runs-dir", str(tmp_path)]
+    result = launch(args, timeout=60)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.exitcodes == [2, 2], (result.exitcodes, result.stderr[-3000:])
+    assert errors == ["error: the task's data is wrong (a test's own mistake)"], result.stderr[-3000:]
+
+
+HELD = """
+import os, signal, sys, time
+from ddp_tricks.distributed import watchdog
+if sys.argv[1] == "checking":  # run.py before its process group
+    watchdog.hold_sigterm()
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("checked")
+    watchdog.joining()
+    print("joined")
+else:  # a failing process, SIGTERM while it says why
+    watchdog.fail(2)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    print("said why")
+    if sys.argv[1] == "stuck":
+        time.sleep(60)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("mode", "code", "said"), [("checking", 143, "checked\n"), ("failing", 2, "said why\n"),
+                                                    ("stuck", 143, "said why\n")])  # fmt: skip
+def test_a_held_sigterm_lets_a_process_say_why_then_ends_it(tmp_path, mode, code, said):
+    """A SIGTERM before the process group ends the process when it would join (143); one after a failure leaves it
+    to say why and end by itself (2), or ends it HOLD seconds later (143); the handler is put back after."""
+    from ddp_tricks.distributed import watchdog
+
+    script = tmp_path / "held.py"
+    script.write_text(HELD)
+    start = time.monotonic()
+    with Job([mode], nproc=None, script=script) as job:
+        out, err = job.communicate(timeout=30)
+    elapsed = time.monotonic() - start
+    assert (job.returncode, out) == (code, said), err[-3000:]
+    assert elapsed > watchdog.HOLD if mode == "stuck" else elapsed < watchdog.HOLD, elapsed
+    before = signal.getsignal(signal.SIGTERM)  # this process's: hold and restore (as main() does at its end)
+    watchdog.hold_sigterm()
+    assert signal.getsignal(signal.SIGTERM) is not before
+    watchdog.restore_signals()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_sigterm_ends_workers_stuck_in_a_collective_within_seconds(tmp_path):
     """Rank 1 stops answering; rank 0 waits for it in a gradient all-reduce. SIGTERM to both, as torchrun forwards
     it (it would SIGKILL 30 s later): both workers end on their own, --sigterm-grace (here 5 s) after it."""

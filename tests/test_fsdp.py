@@ -321,7 +321,8 @@ def test_a_checkpoint_of_the_other_strategy_or_with_a_missing_shard_is_one_line(
     shards[1].unlink()
     missing = launch([*FLAGS, "--runs-dir", str(tmp_path), "-n", "f", "-e", "3", "--resume", "auto"])
     errors = [line for line in missing.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and f"misses 1 of its shard files ({shards[1].name})" in errors[0], errors
+    assert len(errors) == 1 and f"misses 1 of its shard files ({shards[1].name})" in errors[0], (
+        missing.exitcodes, missing.stderr[-3000:])  # fmt: skip
     assert shards[0].exists() and missing.returncode == 2
 
 

@@ -102,6 +102,7 @@ def setup(
 ) -> Dist:
     """Pick the device, and join the process group when launched by torchrun or the legacy launcher. `group`: a
     single process gets a process group of its own too (FSDP shards over a mesh, even a mesh of one)."""
+    watchdog.joining()  # a SIGTERM held through the checks ends this process here; else SIGTERM as it was
     device = choose_device(device_flag, launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -157,3 +158,4 @@ def cleanup() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     watchdog.stop()
+    watchdog.restore_signals()

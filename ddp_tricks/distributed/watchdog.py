@@ -20,6 +20,10 @@ only between bytecodes, and a main thread inside a gloo or NCCL wait runs none. 
   the process ends with 143 (130 for SIGINT). A SIGTERM between steps finds the main thread moving: preemption
   then agrees on a step and writes the checkpoint exactly as before.
 
+- Before the process group, and from a failure on, SIGTERM is held (`hold_sigterm`): it ends the process a few
+  seconds later, not at once, so a rank that is to say why the job fails is not killed first by the SIGTERM that a
+  launcher sends every worker once another has ended.
+
 Costs nothing per step: no host sync, no collective; the thread wakes twice a second (a store lookup every other
 time) and reads the main thread's frame only after a signal.
 """
@@ -40,9 +44,13 @@ STORE_EVERY = 2  # looks per store lookup: the store is asked once a second
 PEER_GRACE = 2.0  # seconds a rank that sees a peer's failure leaves its main thread to end by itself
 SIGNAL_GRACE = 25.0  # seconds without progress after SIGTERM before a stuck process is ended (--sigterm-grace)
 COUNT, CODE = "failures", "first_failure_code"  # keys in the job's store, under the attempt's prefix
+HOLD = 5.0  # seconds a held SIGTERM leaves a rank to finish saying why it fails (hold_sigterm)
 
 _ending = False  # this process is leaving on its own (its main thread is in its failure path)
 _watch: _Watch | None = None
+_NOTHING_SAVED = object()
+_saved_sigterm = _NOTHING_SAVED  # SIGTERM's handler before hold_sigterm(), for restore_signals()
+_held = False  # a SIGTERM came while held: the process ends HOLD seconds later at the latest
 
 
 class _Watch:
@@ -112,6 +120,51 @@ class _Watch:
             return set()
 
 
+def hold_sigterm() -> None:
+    """From now until `joining()` or `restore_signals()`: a SIGTERM ends this process HOLD seconds later (143), not
+    at once. A launcher sends SIGTERM to every worker as soon as one has ended. Before the process group every rank
+    makes the same checks, and a mistake fails them all alike, rank 0 saying it; with a group, the first to fail says
+    it while the others leave. Either way a peer can end first, and the SIGTERM it brings must not kill the rank that
+    is still to say why (under load, still checking). Call from the main thread (elsewhere it does nothing)."""
+    global _saved_sigterm
+    try:
+        previous = signal.signal(signal.SIGTERM, _hold)
+    except ValueError:  # not the main thread: it cannot set a handler
+        return
+    if _saved_sigterm is _NOTHING_SAVED:
+        _saved_sigterm = previous
+
+
+def _hold(signum, frame) -> None:
+    global _held
+    if not _held:
+        _held = True
+        timer = threading.Timer(HOLD, _exit, (143,))
+        timer.daemon = True
+        timer.start()
+
+
+def joining() -> None:
+    """Before joining the process group: a SIGTERM held until now ends this process here (143: its job is being
+    stopped, and the others are leaving); else SIGTERM gets its own handler back."""
+    if _held:
+        _flush()
+        _exit(143)
+    restore_signals()
+
+
+def restore_signals() -> None:
+    """SIGTERM's handler as it was before `hold_sigterm()` (at the end of main(), which a test may call in its own
+    process); safe to call when nothing is held."""
+    global _saved_sigterm, _held
+    if _saved_sigterm is not _NOTHING_SAVED:
+        try:
+            signal.signal(signal.SIGTERM, _saved_sigterm)
+        except ValueError:
+            return
+    _saved_sigterm, _held = _NOTHING_SAVED, False
+
+
 def _position(thread_id: int | None):
     """Where a thread is: its innermost frame and instruction (unchanged while it is inside one C call)."""
     frame = sys._current_frames().get(thread_id)
@@ -146,9 +199,11 @@ def active() -> bool:
 
 def fail(code: int) -> bool:
     """This process fails with exit code `code`: tell every rank (they then end within seconds). True when it is
-    the job's first failure (or runs unwatched): then its error is the one to show."""
+    the job's first failure (or runs unwatched): then its error is the one to show. SIGTERM is held from here
+    (`hold_sigterm`): a peer that leaves first has the launcher send this process SIGTERM while it says why."""
     global _ending
     _ending = True
+    hold_sigterm()
     watch = _watch
     if watch is None or watch.store is None:
         return True
@@ -186,10 +241,15 @@ def leave(code: int) -> int:
             pass
     if watch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         time.sleep(STORE_EVERY * POLL + PEER_GRACE)  # rank 0 then hosts the store: the others must read it first
+    _flush()
+    _exit(code)
+    return code
+
+
+def _flush() -> None:
+    """What this process printed goes out before an `_exit` (which skips the interpreter's own flush)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken stream: nothing more can be said there
             pass
-    _exit(code)
-    return code
