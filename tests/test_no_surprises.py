@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -272,13 +273,17 @@ def test_a_failed_resume_leaves_no_run_folder(tmp_path, capsys):
 
 
 def test_a_runs_dir_that_cannot_be_written_is_one_line_even_for_root(capsys):
+    before = signal.getsignal(signal.SIGTERM)
     assert run.main(["--runs-dir", "/proc/runs", "-e", "1"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before  # held through the checks and the failure, then put back
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write the run folder '/proc/runs/" in err
 
 
 def test_a_huge_learning_rate_says_no_checkpoint_was_written_and_logs_it(tmp_path, capsys):
+    before = signal.getsignal(signal.SIGTERM)
     assert run.main(["-l", "1000", "-n", "hot", "--runs-dir", str(tmp_path), "--no-progress", "-e", "1"]) == 3
+    assert signal.getsignal(signal.SIGTERM) is before  # held at the failure, over preemption's: both undone
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "non-finite loss" in err and "no checkpoint was written before it" in err
     assert not (tmp_path / "hot" / "last.pt").exists()

@@ -154,8 +154,8 @@ def cleanup() -> None:
 
     An agreement still in flight is settled first: tearing a group down under pending work aborts the process.
     """
+    watchdog.restore_signals()  # first: a failure's hold was set over preemption's handler, which then restores its own
     preemption.close_all()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     watchdog.stop()
-    watchdog.restore_signals()
