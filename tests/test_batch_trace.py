@@ -13,6 +13,7 @@ from torch import nn
 import run
 from ddp_tricks.data import images as image_data
 from ddp_tricks.data import loaders as data
+from ddp_tricks.distributed import trace_reduction
 from ddp_tricks.plan import Plan, lr_factor
 from ddp_tricks.schedules import schedule as schedulers
 from ddp_tricks.traces import batch_trace
@@ -85,7 +86,7 @@ def _traced_run(rank, world_size, trace, rule="none", lr=1.0, schedule=None, ada
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     plan = Plan(len(train_set), world_size, MICRO, 1, 0, lr, 8, 4, 4, 0, tuple(trace), rule)
     steps = plan.epoch(1, rank)
-    reduction = batch_trace.TraceReduction(list(model.parameters()), MICRO, adascale)
+    reduction = trace_reduction.TraceReduction(list(model.parameters()), MICRO, adascale)
     t = tiny.training(model, opt, schedule and schedule(opt), reduction=reduction,
                       clip_grad_norm=clip)  # fmt: skip
     history = []
@@ -175,19 +176,19 @@ def test_adascale_gain_on_a_case_with_known_variance():
     sum_sq = sum(float(g @ g) for g in gradients)
     sigma2 = (sum_sq - 4 * float(mean @ mean)) / 3  # = 4/3: the deviations' squared norms (1 each) x 4 / 3
     mu2 = float(mean @ mean) - sigma2 / 4  # = 8 - 1/3
-    ada = batch_trace.AdaScale(theta=0.0)
+    ada = trace_reduction.AdaScale(theta=0.0)
     gain = ada.update(sum_sq, float(mean @ mean), 4)
     assert sigma2 == pytest.approx(4 / 3) and gain == pytest.approx((sigma2 + mu2) / (sigma2 / 4 + mu2))
     assert 1.0 < gain < 4.0
-    assert batch_trace.AdaScale().update(5.0, 5.0, 1) == 1.0  # S = 1: no estimate yet, gain 1, no division by 0
+    assert trace_reduction.AdaScale().update(5.0, 5.0, 1) == 1.0  # S = 1: no estimate yet, gain 1, no division by 0
     assert ada.update(25.0, 25.0, 1) == 1.0  # S = 1 keeps the smoothed estimates: (s + m) / (s / 1 + m) = 1
-    restored = batch_trace.AdaScale()
+    restored = trace_reduction.AdaScale()
     restored.load_state_dict(ada.state_dict())
     assert restored.gain(4) == pytest.approx(gain)
 
 
 def _adascale_on_ranks(rank, world_size):
-    ada = batch_trace.AdaScale()
+    ada = trace_reduction.AdaScale()
     gains = []
     original_update = ada.update
 

@@ -12,9 +12,9 @@ from torch.overrides import TorchFunctionMode
 from ddp_tricks import models
 from ddp_tricks import plan as planning
 from ddp_tricks.data import images as image_data
+from ddp_tricks.distributed import trace_reduction
 from ddp_tricks.schedules.curves import WarmupDecay
 from ddp_tricks.schedules.schedule import Schedule
-from ddp_tricks.traces import batch_trace
 from ddp_tricks.training.loop import train_one_epoch
 from lamb import LAMB
 from lars import LARS, LARSWrapper
@@ -158,20 +158,20 @@ def test_a_task_s_units_make_no_host_sync():
 
 def traced(adascale=None):
     t = toy()
-    t.reduction = batch_trace.TraceReduction([p for p in t.model.parameters() if p.requires_grad], 16, adascale)
+    t.reduction = trace_reduction.TraceReduction([p for p in t.model.parameters() if p.requires_grad], 16, adascale)
     return t
 
 
 def test_a_traced_step_makes_no_host_sync_and_adascale_its_documented_one():
     trace = [32, 16, 48, 32]  # 2, 1, 3 and 2 micro-batches of 16
     assert syncs_per_step(traced(), trace=trace, micro_batch=16) == [[]] * (STEPS - 1)
-    assert syncs_per_step(traced(batch_trace.AdaScale()), trace=trace, micro_batch=16) == [["tolist"]] * (STEPS - 1)
+    assert syncs_per_step(traced(trace_reduction.AdaScale()), trace=trace, micro_batch=16) == [["tolist"]] * (STEPS - 1)
 
 
 def test_an_idle_rank_s_adascale_step_makes_only_its_one_sync():
     """A traced step can leave a rank without a micro-batch: its sum of squared norms is then a host 0."""
     model = nn.Linear(4, 2)
-    reduction = batch_trace.TraceReduction(list(model.parameters()), 8, batch_trace.AdaScale())
+    reduction = trace_reduction.TraceReduction(list(model.parameters()), 8, trace_reduction.AdaScale())
     counter = HostSyncs()
     with counter:
         assert reduction.finish(16) == 1.0

@@ -3,7 +3,7 @@ micro-batches of each trace step (a DataLoader `batch_sampler`), and `LinearRule
 / `AdaScaleOptimizer` wrap an optimizer whose `step()` runs after every backward and updates once per step.
 
 run.py does not use this file: its loop reads the same trace through ddp_tricks/plan.py. Both reduce with
-`batch_trace.reduce_gradients`, so a step here equals a step there.
+`trace_reduction.reduce_gradients`, so a step here equals a step there.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp_tricks.traces.batch_trace import AdaScale, check_trace, epoch_steps, load_trace, lr_factor, reduce_gradients
+from ddp_tricks.distributed.trace_reduction import AdaScale, reduce_gradients
+from ddp_tricks.traces.batch_trace import check_trace, epoch_steps, load_trace, lr_factor
 
 
 def _world() -> tuple[int, int]:

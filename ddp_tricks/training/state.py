@@ -17,11 +17,11 @@ from torch.nn.parallel import DistributedDataParallel
 from customized_function import EarlyStopping
 from ddp_tricks.distributed.collectives import gather_from_ranks, gather_objects
 from ddp_tricks.distributed.fsdp import is_sharded
+from ddp_tricks.distributed.trace_reduction import TraceReduction
 from ddp_tricks.errors import UserError
 from ddp_tricks.schedules.schedule import Schedule
 from ddp_tricks.shards import local
 from ddp_tricks.storage import sharded
-from ddp_tricks.traces.batch_trace import TraceReduction
 from ddp_tricks.training.noise import MicroBatches, NoiseScale
 from ddp_tricks.training.precision import Precision
 

@@ -1,0 +1,134 @@
+"""A traced run's gradient reduction, in place of DDP's (--batch-trace: the ranks hold different numbers of a step's
+micro-batches): each rank's share of the step's mean gradient summed across ranks in one all-reduce, with AdaScale's
+gain (Johnson et al., 2020) and the noise scale's small batches read from the micro-batch gradients on the way. Here,
+below both the training loop and the original trace API (traces/original_api.py), which reduce alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """|g|^2 of each tensor, in float64 on the device (no host sync)."""
+    norms = torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads])
+    return torch.stack(norms).to(torch.float64).square_()
+
+
+def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """sum |g|^2 over tensors, on the device (no host sync)."""
+    return squared_norms(grads).sum()
+
+
+@dataclass
+class AdaScale:
+    """AdaScale's gain (Johnson et al., 2020) from the micro-batch gradients of a step, smoothed across steps.
+
+    With S micro-batch gradients g_j (each the mean over b samples) and their mean g:
+        sigma^2 = (sum_j ||g_j||^2 - S ||g||^2) / (S - 1)     (the micro-batch gradient variance, S >= 2)
+        mu^2    = ||g||^2 - sigma^2 / S                       (the squared norm of the true gradient)
+    both averaged with weight `theta` over steps; gain r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2).
+    A step with S = 1 cannot estimate the variance: it keeps the smoothed estimates (r from them, or 1).
+    """
+
+    theta: float = 0.9
+    sigma2: float | None = None
+    mu2: float | None = None
+    history: list = field(default_factory=list)
+
+    def update(self, sum_sq_norms: float, mean_sq_norm: float, count: int) -> float:
+        if count >= 2 and math.isfinite(sum_sq_norms) and math.isfinite(mean_sq_norm):
+            sigma2 = max((sum_sq_norms - count * mean_sq_norm) / (count - 1), 0.0)
+            mu2 = max(mean_sq_norm - sigma2 / count, 0.0)
+            if self.sigma2 is None:
+                self.sigma2, self.mu2 = sigma2, mu2
+            else:
+                self.sigma2 = self.theta * self.sigma2 + (1 - self.theta) * sigma2
+                self.mu2 = self.theta * self.mu2 + (1 - self.theta) * mu2
+        return self.gain(count)
+
+    def gain(self, count: int) -> float:
+        if self.sigma2 is None or self.sigma2 + self.mu2 <= 0:
+            return 1.0
+        return (self.sigma2 + self.mu2) / (self.sigma2 / count + self.mu2)
+
+    def state_dict(self) -> dict:
+        return {"theta": self.theta, "sigma2": self.sigma2, "mu2": self.mu2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.theta, self.sigma2, self.mu2 = state["theta"], state["sigma2"], state["mu2"]
+
+
+def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_norms, adascale: AdaScale | None,
+                     micro_batches: int, noise=None, batch: int = 0, loss_scale=1.0) -> float:  # fmt: skip
+    """The end of a trace step, on every rank: one all-reduce sums each rank's share of the step's mean gradient
+    (every rank takes part, also one with no micro-batch, which adds exactly zero) and, for AdaScale or the noise
+    scale, the micro-batch gradients' squared norms; `p.grad` becomes the sum. The noise scale (`noise`) takes the
+    step's micro-batches as its small batches and the step's `batch` samples as its big one, the same on every
+    rank, on the device. Returns AdaScale's gain (one host sync), or 1."""
+    apart = adascale is not None or noise is not None
+    if apart and not isinstance(sq_norms, torch.Tensor):  # a rank with no micro-batch: a fill, no host copy
+        sq_norms = torch.full((), float(sq_norms), dtype=torch.float64, device=params[0].device)
+    extras = [sq_norms.to(torch.float64).reshape(1)] if apart else []
+    tensors = grads + extras
+    if dist.is_available() and dist.is_initialized() and tensors:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+    for p, g in zip(params, grads):
+        p.grad = g
+    if not apart:
+        return 1.0
+    mean_sq = squared_norm(grads)
+    if noise is not None:
+        noise.small(extras[0][0] / loss_scale**2, batch, count=micro_batches)
+        noise.big(mean_sq / loss_scale**2, batch)
+    if adascale is None:
+        return 1.0
+    sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
+    return adascale.update(sum_sq, mean_sq, micro_batches)
+
+
+class TraceReduction:
+    """A traced run's gradient reduction, in place of DDP's (the model is not DDP-wrapped): each rank's
+    micro-batch losses are divided by the step's global batch B and their gradients summed, then summed across
+    ranks: the exact mean gradient over the B samples, however unevenly the ranks hold them."""
+
+    def __init__(self, params: list[torch.Tensor], micro_batch: int, adascale: AdaScale | None = None, noise=None):
+        self.params = params
+        self.micro_batch = micro_batch
+        self.adascale = adascale
+        self.noise = noise  # the gradient noise scale's estimator (training/noise.py), or None
+        self._accumulated: list[torch.Tensor] | None = None
+        self._sq_norms = 0.0
+
+    def after_backward(self, weight: float | torch.Tensor) -> None:
+        """With AdaScale or the noise scale, each micro-batch's gradient is kept apart for its squared norm; else
+        grads accumulate. `weight`: what the micro-batch's mean loss was multiplied by (its share of the step: b / B
+        samples, or its units over the step's)."""
+        if self.adascale is None and self.noise is None:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        # the micro-batch's mean gradient g_j = grad / its share
+        self._sq_norms = self._sq_norms + squared_norm(grads) / (weight * weight)
+        if self._accumulated is None:
+            self._accumulated = [torch.zeros_like(p) for p in self.params]
+        torch._foreach_add_(self._accumulated, grads)
+        for p in self.params:
+            p.grad = None
+
+    def finish(self, batch: int, loss_scale=1.0) -> float:
+        """All-reduce the step's gradients into p.grad; return AdaScale's gain (or 1). `loss_scale`: fp16's, which
+        the noise scale's squared norms are divided by."""
+        if self._accumulated is not None:
+            grads = self._accumulated
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        count = -(-batch // self.micro_batch)
+        gain = reduce_gradients(self.params, grads, self._sq_norms, self.adascale, count, self.noise, batch, loss_scale)
+        self._accumulated, self._sq_norms = None, 0.0
+        return gain
