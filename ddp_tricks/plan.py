@@ -132,6 +132,17 @@ class Plan:
         accumulation = f" x accumulation {self.accum_steps}" if self.accum_steps > 1 else ""
         return f"global batch {self.global_batch} ({self.micro_batch} x {self.world_size} process(es){accumulation})"
 
+    def trace_note(self) -> str:
+        """What an LR preview of a traced run shows and cannot show, for its title ("" untraced)."""
+        if not self.traced:
+            return ""
+        note = f", batch trace with the {self.batch_lr_rule} rule"
+        if self.batch_lr_rule == "adascale":
+            note += " (AdaScale's gain depends on the gradients: not shown)"
+        if self.auto:
+            note += " (auto: shown at the start batch; the batches it grows to depend on the gradients)"
+        return note
+
     def summary(self) -> dict:
         """The derived numbers, for config.json and every checkpoint (`recorded` reads the global batch back)."""
         return {
@@ -208,6 +219,8 @@ def make(
     resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
     --batch-size (then the micro-batch's ceiling) and --accum-steps give."""
     relayout, run_micro_batch = "", micro_batch
+    if max_global_batch:  # --batch-trace auto: the trace so far, its last batch until the next epoch grows it
+        trace_end = "repeat-last"
     if trace is None and run_batch is not None:
         flags_batch = micro_batch * world_size * accum_steps
         run_global, run_micro = run_batch

@@ -224,19 +224,17 @@ def _reshard(rank, world_size, source, target):
     from tiny import CPU
 
     from ddp_tricks import cli
-    from ddp_tricks.distributed import fsdp
     from ddp_tricks.distributed.launch import Dist
     from ddp_tricks.storage import checkpoint
-    from ddp_tricks.training import seam
+    from ddp_tricks.training import preflight
 
     flags, task_class = cli.parse([*FLAGS, "-e", "1"])
     task = task_class(flags)
     train_set, _ = task.datasets()
     model = task.model()
-    sum_names = seam.check_task(task, model, train_set)
-    dist_info = Dist(rank, world_size, rank, CPU, "gloo")
-    t = run.build_training(flags, task, model, sum_names, run.make_plan(flags, len(train_set), world_size), dist_info,
-                           fsdp.shard_units(task, model), sparse=[])  # fmt: skip
+    plan = run.make_plan(flags, len(train_set), world_size)
+    found = preflight.check(task, model, train_set, plan, preflight.Setup(world_size, **cli.check_options(flags)))
+    t = run.build_training(flags, task, model, found, plan, Dist(rank, world_size, rank, CPU, "gloo"))
     t.load_state_dict(checkpoint.load(source, "fsdp"), str(source))
     target.mkdir(exist_ok=True)
     checkpoint.Checkpoints(target, rank == 0, 0, None, vars(flags), "fsdp").save(t)

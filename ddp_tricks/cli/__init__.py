@@ -4,6 +4,7 @@ checks everything, and returns the validated `argparse.Namespace` and the task c
 
     flags.py        the flags, by trick          config_file.py  --config FILE.toml
     tasks.py        --task and the monitored metric          checks.py  values and combinations
+    options.py      what each component (plan, optimizer, schedule, loaders, start-up checks) takes from the flags
 """
 
 from __future__ import annotations
@@ -19,10 +20,25 @@ from ddp_tricks.cli import config_file
 from ddp_tricks.cli.checks import check, given_flags
 from ddp_tricks.cli.config_file import blame
 from ddp_tricks.cli.flags import Parser, build_parser
+from ddp_tricks.cli.options import check_options, loader_options, optimizer_options, plan_options, schedule_options
 from ddp_tricks.cli.tasks import DEFAULT_TASK, load_task, mode_of, monitored_metric
 from ddp_tricks.errors import UserError, report
 
-__all__ = ["parse", "answer_early", "describe_lr", "build_parser", "blame", "load_task", "mode_of", "DEFAULT_TASK"]
+__all__ = [
+    "parse",
+    "answer_early",
+    "describe_lr",
+    "build_parser",
+    "blame",
+    "load_task",
+    "mode_of",
+    "DEFAULT_TASK",
+    "plan_options",
+    "optimizer_options",
+    "schedule_options",
+    "loader_options",
+    "check_options",
+]
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:

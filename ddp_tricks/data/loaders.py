@@ -127,3 +127,22 @@ def val_loader(
     sampler = ShardSampler(len(dataset), world_size, rank)
     options = _options(dataset, workers, prefetch_factor, device, seed, collate)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)
+
+
+def both(
+    train_set: Dataset,
+    val_set: Dataset,
+    dist,
+    collate: Callable | None = None,
+    *,
+    val_batch_size: int,
+    seed: int,
+    workers: int = 0,
+    prefetch_factor: int = 2,
+) -> tuple[DataLoader, DataLoader]:
+    """The run's training and validation loaders, for this rank of `dist` (launch.Dist: rank, world size, device)."""
+    train = train_loader(train_set, dist.rank, dist.device, seed, workers, prefetch_factor, collate)
+    val = val_loader(
+        val_set, val_batch_size, dist.rank, dist.world_size, dist.device, seed, workers, prefetch_factor, collate
+    )
+    return train, val

@@ -135,6 +135,15 @@ def describe(row: dict) -> str:
     return " | ".join(parts)
 
 
+def epoch_line(row: dict, stopped_early: bool = False) -> str:
+    """An epoch's log line: `epoch 3: train loss ... | val loss ... | lr 0.05 | 0.2s, 7000 samples/s`."""
+    early = " (early stop)" if stopped_early else ""
+    return (
+        f"epoch {row['epoch']}: {describe(row)} | lr {row['lr']:.4g} | {row['epoch_seconds']:.1f}s, "
+        f"{row['samples_per_second']:.0f} samples/s{early}"
+    )
+
+
 def task_metrics(task) -> dict[str, dict]:
     """The task's reported metrics besides the loss, for the tools that read a run folder (sweeps, plots): which way
     each improves, and how tables and figures show it (the task's optional `shown_as`: {name: (title, unit)})."""

@@ -25,7 +25,7 @@ from ddp_tricks.distributed.collectives import (
     max_over_ranks,
     uneven_rows,
 )
-from ddp_tricks.distributed.wrap import accumulating
+from ddp_tricks.distributed.wrap import accumulating, name_unused_parameters
 from ddp_tricks.plan import Step
 from ddp_tricks.training import noise, precise_bn
 from ddp_tricks.training.batches import detached, float_outputs, no_rows, samples_in, to_device
@@ -145,8 +145,20 @@ def train_one_epoch(
     `t.resume_sums` (this rank's running [loss x units, *metric sums, units, samples] when its checkpoint was
     written).
     `after_step(t)` runs after every optimizer step (`t.step_in_epoch` steps done, `t.epoch_sums` the running
-    sums); when it returns True the epoch stops there and None is returned.
+    sums); when it returns True the epoch stops there and None is returned. `progress` (a tqdm bar, or None) is
+    closed at the end, whichever way the epoch ends.
     """
+    try:
+        return _train_steps(t, steps, loader, first_step, progress, log_interval, after_step)
+    except RuntimeError as error:
+        name_unused_parameters(error, t.model)  # DDP's "expected to have finished reduction": one line
+        raise
+    finally:  # an error's line then starts a line of its own
+        if progress is not None:
+            progress.close()
+
+
+def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, log_interval, after_step):
     t.model.train()
     width = len(t.sum_names) + 1
     resumed = t.resume_sums if first_step else None

@@ -12,7 +12,7 @@ taken, as the paper does. |G_small|^2 is the mean over the step's small batches:
 - in one process with accumulation, each micro-batch's gradient (kept apart as it is computed), B_small its
   samples;
 - in a traced run (--batch-trace), each micro-batch's gradient on every rank, its squared norm summed over the
-  ranks in the step's one all-reduce (traces/batch_trace.py), so every rank's averages are the same.
+  ranks in the step's one all-reduce (distributed/trace_reduction.py), so every rank's averages are the same.
 Everything stays on the device: no host sync in a step. The per-rank averages are linear in |G_small|^2, so the
 ranks' moving averages are averaged once, at the end of the epoch, inside the epoch's one all-reduce.
 """
@@ -22,46 +22,9 @@ from __future__ import annotations
 import torch
 
 from ddp_tricks.distributed.collectives import broadcast_floats
+from ddp_tricks.distributed.trace_reduction import squared_norm, squared_norms
 
 BETA = 0.99  # the moving average's weight: about the last 100 steps
-
-
-def not_measured(
-    world_size: int,
-    accum_steps: int,
-    strategy: str,
-    traced: bool,
-    whole_steps: bool,
-    sparse: bool = False,
-    global_loss: bool = False,
-) -> str | None:
-    """Why this run cannot measure the noise scale (None: it can). `whole_steps`: a step's gradient is made at once
-    or scaled unseen (cached accumulation, Apex); `sparse`: some gradients are sparse; `global_loss`: the loss
-    gathers from every rank, so no rank has a gradient of its own samples."""
-    if sparse:
-        return "not with sparse gradients (an embedding's with sparse=True)"
-    if whole_steps:
-        return "not with cached accumulation or Apex"
-    if global_loss and world_size > 1:
-        return "not with a loss over the global batch (no rank's gradient is its own samples')"
-    if strategy == "fsdp":
-        return "not under --strategy fsdp (each rank holds slices of the gradients)"
-    if traced:
-        return None  # a traced step's micro-batches are its small batches (TraceReduction); a step of one is skipped
-    if world_size == 1 and accum_steps == 1:
-        return "it needs two batch sizes per step: 2+ processes, or --accum-steps 2+ on one"
-    return None
-
-
-def describe(world_size: int, micro_batch: int, accum_steps: int, global_batch: int, traced: bool = False) -> str:
-    """Where a run's small batches come from, for its log."""
-    if traced:
-        return f"gradient noise scale: measured from each micro-batch's gradient ({micro_batch} samples) and the step's"
-    if world_size > 1:
-        small, source = micro_batch * accum_steps, "each rank's gradient"
-    else:
-        small, source = micro_batch, "each micro-batch's"
-    return f"gradient noise scale: measured from {source} ({small} samples) and the step's ({global_batch})"
 
 
 class NoiseScale:
@@ -153,17 +116,6 @@ def report(corrected_sums: list[float], world_size: int) -> dict[str, float]:
     trace, grad_sq = (value / world_size for value in corrected_sums)
     scale = trace / grad_sq if grad_sq > 0 else float("nan")
     return {"noise_scale": scale, "grad_noise_trace": trace, "grad_sq_norm": grad_sq}
-
-
-def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """|g|^2 of each tensor, in float64 on the device (no host sync)."""
-    norms = torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads])
-    return torch.stack(norms).to(torch.float64).square_()
-
-
-def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """sum |g|^2 over tensors, on the device (no host sync)."""
-    return squared_norms(grads).sum()
 
 
 def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):

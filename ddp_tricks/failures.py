@@ -1,0 +1,65 @@
+"""How a run that fails ends: on every rank together, with its exit code, and one line that names the cause (a user
+mistake, a non-finite loss, a lost peer); a bug keeps its traceback. run.py's main() hands each failure here.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+from ddp_tricks import cli
+from ddp_tricks.distributed import watchdog
+from ddp_tricks.errors import UserError, report
+from ddp_tricks.storage import checkpoint
+
+PREEMPTED = 143  # exit code after SIGTERM: the last checkpoint holds the state, `--resume auto` continues exactly
+NONFINITE = 3  # exit code after a NaN/inf loss
+USER_ERROR = 2
+BUG = 1
+
+
+def nonfinite(error, flags, rank: int) -> int:
+    """A NaN/inf loss, raised on every rank together: rank 0 says which checkpoint keeps the last good weights."""
+    watchdog.fail(NONFINITE)
+    if rank == 0:
+        run_dir = Path(flags.run_dir)
+        kept = "no checkpoint was written before it"
+        last = checkpoint.LAST[flags.strategy]
+        if (run_dir / last).exists():
+            kept = f"{last} keeps the last good weights"
+        fix = "Lower --base-lr, add --clip-grad-norm, or pass --on-nonfinite skip"
+        report(f"{error}; {kept}. {fix}", run_dir / "train.log")
+    return watchdog.leave(NONFINITE)
+
+
+def user_error(error: UserError, rank: int) -> int:
+    """A user mistake: said once, as one line, and exit code 2 on every rank."""
+    first = watchdog.fail(USER_ERROR)  # the other ranks learn it at once: none waits in a collective for this one
+    error = cli.blame(error)  # a value from --config FILE: the message names the file and the key
+    # with a process group, the job's first failure says it (on whichever rank); before one, every rank fails
+    # the same check: rank 0 says it, unless only this rank is concerned
+    if first if watchdog.active() else rank == 0 or error.rank_specific:
+        report(str(error) if rank == 0 else f"on rank {rank}: {error}")
+    return watchdog.leave(USER_ERROR)
+
+
+def bug(error: BaseException, flags, rank: int) -> int:
+    """Anything else, with a process group: the first rank that fails shows its traceback, or says that another
+    process of the job is gone (its own error is then only the echo of that), and the others end quietly. Without
+    a group it is raised as it is."""
+    if not watchdog.active():
+        raise error
+    if watchdog.fail(BUG):
+        gone = watchdog.lost_peer(error)  # not a bug here: another process died first, without a word
+        if gone:
+            restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            restarts = restarts and getattr(flags, "resume", None) == "auto"
+            then = "torchrun restarts the job from the last checkpoint" if restarts else "resume it with -n NAME"
+            report(
+                f"on rank {rank}: another process of the job is gone (killed, or its node lost: {gone}); "
+                f"{then}{'' if restarts else ' --resume auto'}"
+            )
+        else:
+            traceback.print_exception(error)
+    return watchdog.leave(BUG)

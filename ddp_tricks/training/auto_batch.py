@@ -1,0 +1,103 @@
+"""The gradient noise scale's decisions, in one place: whether a run measures it (and why not), where its small
+batches come from and how its estimator is attached to the model (noise.py holds the estimator), and
+`--batch-trace auto`, whose global batch starts from the flags (or a resumed run's trace) and grows towards the
+measured noise scale at each epoch's start (batch_trace.next_batch's rule), its rows written to the run folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ddp_tricks.errors import UserError
+from ddp_tricks.plan import Plan
+from ddp_tricks.traces import batch_trace
+from ddp_tricks.training import noise
+
+log = logging.getLogger("ddp_tricks")
+
+
+def not_measured(
+    world_size: int,
+    accum_steps: int,
+    strategy: str,
+    traced: bool,
+    whole_steps: bool,
+    sparse: bool = False,
+    global_loss: bool = False,
+) -> str | None:
+    """Why this run cannot measure the noise scale (None: it can). `whole_steps`: a step's gradient is made at once
+    or scaled unseen (cached accumulation, Apex); `sparse`: some gradients are sparse; `global_loss`: the loss
+    gathers from every rank, so no rank has a gradient of its own samples."""
+    if sparse:
+        return "not with sparse gradients (an embedding's with sparse=True)"
+    if whole_steps:
+        return "not with cached accumulation or Apex"
+    if global_loss and world_size > 1:
+        return "not with a loss over the global batch (no rank's gradient is its own samples')"
+    if strategy == "fsdp":
+        return "not under --strategy fsdp (each rank holds slices of the gradients)"
+    if traced:
+        return None  # a traced step's micro-batches are its small batches (TraceReduction); a step of one is skipped
+    if world_size == 1 and accum_steps == 1:
+        return "it needs two batch sizes per step: 2+ processes, or --accum-steps 2+ on one"
+    return None
+
+
+def refuse_auto_without(why_not: str | None) -> None:
+    """--batch-trace auto follows the noise scale: a run that cannot measure it is one line, before it starts."""
+    if why_not is not None:
+        raise UserError(
+            f"--batch-trace auto follows the gradient noise scale, which this run cannot measure: {why_not}; give "
+            "the batches with --batch-trace FILE instead"
+        )
+
+
+def describe(plan: Plan) -> str:
+    """Where a run's small batches come from, for its log."""
+    if plan.traced:
+        return (
+            f"gradient noise scale: measured from each micro-batch's gradient ({plan.micro_batch} samples) and the "
+            "step's"
+        )
+    if plan.world_size > 1:
+        small, source = plan.micro_batch * plan.accum_steps, "each rank's gradient"
+    else:
+        small, source = plan.micro_batch, "each micro-batch's"
+    return f"gradient noise scale: measured from {source} ({small} samples) and the step's ({plan.global_batch})"
+
+
+def attach(device, world_size: int, model, params, traced: bool):
+    """The noise scale's estimator, and in one untraced process its micro-batch reader (else None): under DDP it
+    reads each rank's gradient from a communication hook, in a traced run the trace's reduction reads each
+    micro-batch's (TraceReduction)."""
+    estimator = noise.NoiseScale(device)
+    if traced:
+        return estimator, None
+    if world_size > 1:
+        model.register_comm_hook(None, noise.ddp_hook(estimator, params))
+        return estimator, None
+    return estimator, noise.MicroBatches(estimator, params)
+
+
+def start(micro_batch: int, world_size: int, accum_steps: int, num_train: int, ceiling: int, state: dict | None):
+    """--batch-trace auto's trace so far (a resumed run's, else one step of the flags' global batch) and the largest
+    global batch it may grow to (`ceiling`, --max-global-batch; 0: 16x the start batch, at most the training set)."""
+    trace = ((state or {}).get("plan") or {}).get("trace") or [micro_batch * world_size * accum_steps]
+    return trace, ceiling or min(16 * trace[0], num_train)
+
+
+def grow(plan: Plan, noise_scale: float, global_step: int, epoch: int) -> Plan:
+    """At an epoch's start: the plan whose trace goes on with the batch the noise scale measured so far asks for
+    (one agreed value: rank 0's), said in the log when it changes."""
+    before = plan.rows(global_step)[-1] if global_step else plan.trace[0]
+    plan = plan.grown(noise_scale, global_step)
+    if plan.trace[-1] != before:
+        log.info("--batch-trace auto: global batch %d -> %d from epoch %d", before, plan.trace[-1], epoch)
+    return plan
+
+
+def write(plan: Plan, global_step: int, folder: Path) -> None:
+    """The batches chosen so far, as the run folder's batch_trace.csv (rank 0's to call): --batch-trace FILE
+    replays them."""
+    batch_trace.write_trace(Path(folder) / "batch_trace.csv", plan.rows(global_step))

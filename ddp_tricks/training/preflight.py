@@ -1,0 +1,88 @@
+"""The start-up checks, in one call, before any process group: the task's pieces on a few training samples
+(seam.py's checks), what this run's choices cannot do with them, and one small record of what was found, which
+everything after takes (metric names, sparse parameters, FSDP units, whether the loss gathers from every rank, the
+accumulation, whether and why not the gradient noise scale is measured). A mistake here is one line on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from ddp_tricks.distributed import fsdp
+from ddp_tricks.plan import Plan
+from ddp_tricks.training import auto_batch, cached, seam
+
+
+@dataclass(frozen=True)
+class Setup:
+    """This run's choices that the checks hold the task against (from the flags and the launch)."""
+
+    world_size: int
+    strategy: str = "ddp"  # --strategy
+    optimizer: str = "sgd"  # --optimizer
+    lars_wrap: bool = False
+    nccl: bool = False  # the backend between the ranks is nccl
+    apex: bool = False  # --amp-backend apex
+    ddp_waits_for_every_gradient: bool = False  # DDP without --find-unused-parameters or --static-graph
+    noise_scale: bool = True  # not --no-noise-scale
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What the start-up checks found."""
+
+    sum_names: list[str]  # the task's metric_sums() keys, in the order the sums vector holds them
+    collate: Callable | None = None  # the task's own batching, when it has one
+    sparse: tuple[str, ...] = ()  # the parameters that get sparse gradients
+    units: tuple = ()  # --strategy fsdp: what is sharded as one (fsdp.shard_units)
+    global_loss: bool = False  # the task's loss gathers from every rank (gather_with_grad)
+    accumulation: Callable | None = None  # how a step's micro-batches make its gradient (None: loop.py's plain one)
+    no_noise_scale: str | None = None  # why the gradient noise scale is not measured (None: it is)
+
+    @property
+    def measures_noise(self) -> bool:
+        return self.no_noise_scale is None
+
+    def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
+        """What the run's log says about them at its start."""
+        notes = []
+        if self.measures_noise:
+            notes.append(auto_batch.describe(plan))
+        elif noise_flag:
+            notes.append(f"gradient noise scale: not measured: {self.no_noise_scale}")
+        if self.global_loss and plan.accum_steps > 1 and self.accumulation is None:
+            notes.append(
+                "the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation"
+            )
+        if self.sparse:
+            notes.append(
+                f"sparse gradients in {', '.join(self.sparse)}: plain SGD steps them, without momentum or weight decay"
+            )
+        return notes
+
+
+def check(task, model: nn.Module, dataset, plan: Plan, setup: Setup) -> Findings:
+    """Every start-up check of the task against this run, in order; the record of what they found. Also
+    initialises lazy modules (the first forward)."""
+    collate = getattr(task, "collate", None)
+    sum_names = seam.check_task(task, model, dataset, collate)
+    if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not plan.traced:
+        seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
+    sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
+    units = fsdp.shard_units(task, model) if setup.strategy == "fsdp" else []
+    seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl)
+    seam.check_batchnorm(model, dataset, collate, plan.smallest_micro_batch, plan.why_small())
+    global_loss = seam.check_global_loss(task, model, dataset, collate, traced=plan.traced)
+    accumulation = cached.choose(task, plan.accum_steps, plan.traced, setup.apex)
+    no_noise_scale = "--no-noise-scale"
+    if setup.noise_scale:
+        whole_steps = accumulation is not None or setup.apex
+        no_noise_scale = auto_batch.not_measured(
+            setup.world_size, plan.accum_steps, setup.strategy, plan.traced, whole_steps, bool(sparse), global_loss
+        )
+    if plan.auto:
+        auto_batch.refuse_auto_without(no_noise_scale)
+    return Findings(sum_names, collate, tuple(sparse), tuple(units), global_loss, accumulation, no_noise_scale)
