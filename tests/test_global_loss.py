@@ -140,6 +140,33 @@ def test_cached_accumulation_of_a_per_sample_loss_is_plain_accumulation_with_dro
     assert torch.equal(plain_next, cached_next)  # the random stream goes on where plain accumulation leaves it
 
 
+def test_cached_accumulation_sets_each_micro_batch_s_random_state_before_its_forward_in_both_passes():
+    """cuDNN's RNN dropout (nn.LSTM / nn.GRU with dropout, on CUDA) keeps a dropout state of its own, drawn anew from
+    torch's generator only when the generator's state is set: a state only read leaves it drawing on from its cache,
+    and the first pass would drop other units than the second. On the CPU (whose RNN dropout uses torch's generator)
+    the order is what can be seen: each of the 4 forwards of a step of 2 micro-batches follows a set of the very state
+    it starts from, and the second pass starts each micro-batch from the first pass's state. Fails when the first
+    pass only reads the state (tests/test_cuda.py checks the gradient itself on a GPU)."""
+    model = _dropout_bn_model()
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation=cached.cached_accumulation)
+    the_plan = planning.make(num_train=16, world_size=1, micro_batch=8, accum_steps=2, epochs=1, seed=0, base_lr=0.1,
+                             lr_scaling="keep", base_batch=1, warmup_epochs=0)  # fmt: skip
+    steps = the_plan.epoch(1, 0)
+    from ddp_tricks.data import images
+
+    loader = tiny.loader_for(images.digits()[0], steps)
+    with tiny.RandomStates(model) as watched:
+        loop.train_one_epoch(t, steps, loader)
+    events = watched.events
+    forwards = [i for i, (kind, _) in enumerate(events) if kind == "forward"]
+    assert len(forwards) == 4
+    for i in forwards:
+        assert i > 0 and events[i - 1][0] == "set" and torch.equal(events[i - 1][1], events[i][1]), i
+    first, second = [events[i][1] for i in forwards[:2]], [events[i][1] for i in forwards[2:]]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], first[1])  # the first micro-batch's dropout drew between them
+
+
 @pytest.mark.parametrize("amp", ["off", "fp16"])
 def test_a_cached_step_adds_no_host_sync(amp):
     from test_host_syncs import syncs_per_step, toy
