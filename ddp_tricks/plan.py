@@ -35,6 +35,8 @@ class Step:
     batch: int  # the step's global batch: samples over all ranks
     lr_factor: float = 1.0  # the step's LR is the schedule's x this (a trace's linear/root rule)
     progress: float = 1.0  # how far the step advances the schedule: a traced step, its samples / the reference batch
+    uneven: bool = False  # the ranks' micro-batches differ in length (an epoch's short last step): a gather of rows
+    # from every rank exchanges the row counts in this step (collectives.uneven_rows), in no other
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,8 @@ class Plan:
         for s in range(self.steps_per_epoch):
             group = [slot[s].tolist() for slot in mine]
             batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
-            steps.append(Step(group, batch / self.world_size, batch))
+            # slot k holds ceil((n - k) / slots) samples: the micro-batches differ unless the batch fills the slots
+            steps.append(Step(group, batch / self.world_size, batch, uneven=batch % self.slots != 0))
         return steps
 
     def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from multiproc import Job, full_state, launch, preempted, run_ranks
+from multiproc import Job, free_port, full_state, launch, preempted, run_ranks
 from torch import nn
 
 import run
@@ -284,6 +284,40 @@ def test_a_mistake_every_rank_finds_is_said_though_the_launcher_stops_rank_0_bef
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert result.exitcodes == [2, 2], (result.exitcodes, result.stderr[-3000:])
     assert errors == ["error: the task's data is wrong (a test's own mistake)"], result.stderr[-3000:]
+
+
+def gloo_timeout(group) -> float:
+    """The seconds a gloo group's collectives wait for a peer, read back from its backend (torch >= 2.6)."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _joined_timeouts(rank, world_size, port):
+    """launch.setup as run.py calls it with --dist-timeout 7 (after the harness's group is gone): every rank of
+    `world_size` > 1 joins afresh on `port`; one process gets a group of its own (FSDP's mesh of one). The default
+    group's and the control group's timeouts."""
+    import torch.distributed as dist
+
+    from ddp_tricks.distributed import launch as launching
+
+    dist.destroy_process_group()
+    if world_size == 1:
+        del os.environ["RANK"]  # plain `python run.py`: no launcher, a group of one only for FSDP
+    os.environ["MASTER_PORT"] = str(port)
+    joined = launching.setup(launching.detect(), "cpu", "gloo", 7, group=True)
+    try:
+        return gloo_timeout(dist.group.WORLD), gloo_timeout(joined.control_group)
+    finally:
+        launching.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_control_group_waits_as_long_as_dist_timeout(world_size):
+    """Preemption's gloo group (an agreement there waits for every rank) takes --dist-timeout, as the default group
+    does, when torchrun starts the ranks and for one process's FSDP group alike. Fails when it is made without the
+    timeout: gloo's default of 30 minutes (1800 s)."""
+    for timeouts in run_ranks(_joined_timeouts, world_size, free_port(), timeout=60):
+        assert timeouts == (7.0, 7.0)
 
 
 HELD = """

@@ -9,6 +9,7 @@ import tiny
 import torch
 from multiproc import REPO, launch, preempted, run_ranks
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import run
 from ddp_tricks.data import images as image_data
@@ -200,6 +201,46 @@ def _adascale_on_ranks(rank, world_size):
     schedule = lambda opt: schedulers.Schedule(schedulers.WarmupDecay(opt, 0, 100, "cosine"))  # noqa: E731
     _, _, t = _traced_run(rank, world_size, [64, 8, 64], rule="adascale", lr=0.05, schedule=schedule, adascale=ada)
     return gains, t.schedule.per_step.last_epoch
+
+
+class _AllReduces(TorchDispatchMode):
+    """The dtype and length of every buffer a c10d all-reduce sends, as the dispatcher sees it (the collective still
+    runs: nothing is replaced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d.allreduce_.default:
+            self.sent += [(t.dtype, t.numel()) for t in args[0]]
+        return func(*args, **(kwargs or {}))
+
+
+def _reduce_on_ranks(rank, world_size):
+    """A traced step's end with AdaScale on: float32 and bfloat16 gradients, float64 squared norms 1e8 + 1 and 1e8."""
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, dtype=torch.bfloat16, requires_grad=True)]
+    grads = [torch.full((3,), float(rank + 1)), torch.full((2, 2), 10.0 * (rank + 1), dtype=torch.bfloat16)]
+    sq_norms = torch.tensor(1e8 + 1 - rank, dtype=torch.float64)
+    ada = trace_reduction.AdaScale()
+    with _AllReduces() as seen:
+        gain = trace_reduction.reduce_gradients(params, grads, sq_norms, ada, micro_batches=2)
+    return seen.sent, [p.grad for p in params], (gain, ada.sigma2, ada.mu2)
+
+
+@pytest.mark.slow
+def test_a_traced_step_reduces_gradients_in_their_own_dtype_and_squared_norms_in_float64():
+    """Each gradient dtype in a buffer of its own (float32 stays float32 on the wire: half the bytes of float64), and
+    the squared norms in one float64 of their own, exact: 1e8 + 1 + 1e8 has no float32. Fails when the norms are
+    concatenated with the gradients (torch.cat promotes the whole buffer to float64)."""
+    for sent, grads, (gain, sigma2, mu2) in run_ranks(_reduce_on_ranks, 2):
+        assert sent == [(torch.float32, 3), (torch.bfloat16, 4), (torch.float64, 1)]
+        assert torch.equal(grads[0], torch.full((3,), 3.0)) and grads[1].dtype == torch.bfloat16
+        assert torch.equal(grads[1], torch.full((2, 2), 30.0, dtype=torch.bfloat16))
+        mean_sq = 3 * 3.0**2 + 4 * 30.0**2  # |the summed gradient|^2
+        # (sum |g_j|^2 - S |g|^2) / (S - 1), S = 2; |g|^2 from float32 norms (4e-6 off): float32 sums would lose the 1
+        assert sigma2 == pytest.approx((2e8 + 1) - 2 * mean_sq, abs=0.1)
+        assert mu2 == 0.0 and gain == 2.0  # mu^2 = |g|^2 - sigma^2 / S < 0, clamped: gain = S
 
 
 @pytest.mark.slow

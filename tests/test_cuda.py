@@ -479,3 +479,116 @@ def test_processes_shown_one_gpu_each_use_it_and_two_on_one_gpu_are_one_line(tmp
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+
+
+# --- cuDNN's RNN dropout: a state of its own, drawn anew only when torch's generator is set -------------------------
+
+
+class TwoLayerLSTM(nn.Module):
+    """Sequences (n, 6, 4) -> one value each: an LSTM of 2 layers with dropout 0.5 between them (on CUDA, cuDNN's
+    RNN dropout, which keeps its own dropout state), its last step's output through a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 16, num_layers=2, dropout=0.5, batch_first=True)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(self.lstm(x)[0][:, -1]).squeeze(1)
+
+
+class Regress:
+    """A per-sample loss: the mean squared error."""
+
+    def loss(self, outputs, targets):
+        return nn.functional.mse_loss(outputs, targets)
+
+
+def rng_now(device: torch.device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_rng(state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def lstm_gradients_cached_and_plain(device: torch.device):
+    """One step of 2 micro-batches of 8 by cached accumulation (training/cached.py, as the loop runs it), and from the
+    same random state by plain accumulation that sets the generator's state before each micro-batch's forward (so
+    cuDNN draws that micro-batch's dropout from it, as cached accumulation's second pass does); a per-sample loss, so
+    the two gradients are the same when both passes of the cached step drop the same units. A third gradient, plain
+    from another random state, shows that the dropout draws matter."""
+    import tiny
+
+    from ddp_tricks.plan import Step
+    from ddp_tricks.training import cached
+    from ddp_tricks.training.precision import Precision
+
+    torch.manual_seed(0)
+    model = TwoLayerLSTM().to(device).train()
+    reference = copy.deepcopy(model)
+    batches = [(torch.randn(8, 6, 4, device=device), torch.randn(8, device=device)) for _ in range(2)]
+    with torch.no_grad():
+        model(batches[0][0])  # cuDNN's dropout state drawn and cached, as after any earlier step
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    t.device, t.precision, t.task, t.sum_names = device, Precision("off", device), Regress(), []
+    start = rng_now(device)
+    list(cached.cached_accumulation(t, Step([[0] * 8, [0] * 8], 16, 16), iter(batches), None))
+
+    def plain(state):
+        reference.zero_grad(set_to_none=True)
+        set_rng(state)
+        for x, y in batches:
+            set_rng(rng_now(device))  # this micro-batch's dropout drawn from here (cuDNN's: drawn anew)
+            (Regress().loss(reference(x), y) * len(x) / 16).backward()
+        return [p.grad.clone() for p in reference.parameters()]
+
+    from_start = plain(start)
+    torch.manual_seed(1)
+    elsewhere = plain(rng_now(device))
+    return [p.grad.clone() for p in model.parameters()], from_start, elsewhere
+
+
+@cuda_test
+def test_cached_accumulation_of_an_lstm_with_cudnn_dropout_gets_plain_accumulation_s_gradient():
+    """An nn.LSTM with num_layers=2 and dropout=0.5 under cached accumulation: the gradient plain accumulation gets
+    from the same random state, one micro-batch at a time. Fails when cached accumulation's first pass only reads each
+    micro-batch's random state (cuDNN then drops units from its own cached dropout state in the first pass and from
+    one drawn anew in the second: the loss's gradient is taken at other outputs than the ones back-propagated)."""
+    assert torch.backends.cudnn.enabled
+    cached_, plain, elsewhere = lstm_gradients_cached_and_plain(torch.device("cuda"))
+    for a, b in zip(cached_, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert any((a - b).abs().max().item() > 1e-3 for a, b in zip(plain, elsewhere))  # the dropout draws count
+
+
+def lstm_outputs_after_a_checkpoint(device: torch.device):
+    """The LSTM's next training forward after Training.state_dict() (a checkpoint), going on; and after restore_rng of
+    the state that checkpoint saved (a resume)."""
+    import tiny
+
+    from ddp_tricks.training.state import Best, restore_rng
+
+    torch.manual_seed(0)
+    model = TwoLayerLSTM().to(device).train()
+    x = torch.randn(8, 6, 4, device=device)
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1), best=Best("loss", "min"))
+    t.device = device
+    with torch.no_grad():
+        model(x)  # cuDNN's dropout state drawn and cached, as after the steps before the checkpoint
+        state = t.state_dict()
+        going_on = model(x)
+        restore_rng(state["rng"][0])
+        resumed = model(x)
+    return going_on, resumed
+
+
+@cuda_test
+def test_after_a_checkpoint_cudnn_rnn_dropout_draws_what_the_resumed_run_draws():
+    """A mid-epoch resume sets torch's CUDA generator from the checkpoint, which makes cuDNN draw its RNN dropout
+    state anew; the run that wrote the checkpoint goes on with the same draws. Fails when Training.state_dict only
+    reads the random state (the run going on keeps cuDNN's cached dropout state: a resume is not bit-exact)."""
+    going_on, resumed = lstm_outputs_after_a_checkpoint(torch.device("cuda"))
+    torch.testing.assert_close(going_on, resumed, rtol=0, atol=0)

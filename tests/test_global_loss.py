@@ -140,6 +140,33 @@ def test_cached_accumulation_of_a_per_sample_loss_is_plain_accumulation_with_dro
     assert torch.equal(plain_next, cached_next)  # the random stream goes on where plain accumulation leaves it
 
 
+def test_cached_accumulation_sets_each_micro_batch_s_random_state_before_its_forward_in_both_passes():
+    """cuDNN's RNN dropout (nn.LSTM / nn.GRU with dropout, on CUDA) keeps a dropout state of its own, drawn anew from
+    torch's generator only when the generator's state is set: a state only read leaves it drawing on from its cache,
+    and the first pass would drop other units than the second. On the CPU (whose RNN dropout uses torch's generator)
+    the order is what can be seen: each of the 4 forwards of a step of 2 micro-batches follows a set of the very state
+    it starts from, and the second pass starts each micro-batch from the first pass's state. Fails when the first
+    pass only reads the state (tests/test_cuda.py checks the gradient itself on a GPU)."""
+    model = _dropout_bn_model()
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation=cached.cached_accumulation)
+    the_plan = planning.make(num_train=16, world_size=1, micro_batch=8, accum_steps=2, epochs=1, seed=0, base_lr=0.1,
+                             lr_scaling="keep", base_batch=1, warmup_epochs=0)  # fmt: skip
+    steps = the_plan.epoch(1, 0)
+    from ddp_tricks.data import images
+
+    loader = tiny.loader_for(images.digits()[0], steps)
+    with tiny.RandomStates(model) as watched:
+        loop.train_one_epoch(t, steps, loader)
+    events = watched.events
+    forwards = [i for i, (kind, _) in enumerate(events) if kind == "forward"]
+    assert len(forwards) == 4
+    for i in forwards:
+        assert i > 0 and events[i - 1][0] == "set" and torch.equal(events[i - 1][1], events[i][1]), i
+    first, second = [events[i][1] for i in forwards[:2]], [events[i][1] for i in forwards[2:]]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], first[1])  # the first micro-batch's dropout drew between them
+
+
 @pytest.mark.parametrize("amp", ["off", "fp16"])
 def test_a_cached_step_adds_no_host_sync(amp):
     from test_host_syncs import syncs_per_step, toy
@@ -205,12 +232,14 @@ def test_a_gathering_loss_that_cannot_take_an_empty_batch_is_one_line():
 STEPS, GLOBAL_BATCH, LR = 10, 32, 0.5
 
 
-def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation, sharded=False):
+def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation, sharded=False, samples=None):
     """STEPS LARS steps of the SimCLR example (fixed views, no BatchNorm) at global batch GLOBAL_BATCH, under DDP or
-    (`sharded`) FSDP2; its full weights and training loss."""
+    (`sharded`) FSDP2; its full weights and training loss. With `samples`, one epoch of the first that many training
+    samples at global batch micro_batch x world x accum_steps instead."""
     args, task = example("--views", "fixed", "--encoder-norm", "none")
     train, _ = task.datasets()
-    train = loaders.InMemoryDataset(train.inputs[: STEPS * GLOBAL_BATCH], train.targets[: STEPS * GLOBAL_BATCH])
+    n = samples or STEPS * GLOBAL_BATCH
+    train = loaders.InMemoryDataset(train.inputs[:n], train.targets[:n])
     torch.manual_seed(0)
     model = task.model()
     if sharded:
@@ -222,7 +251,8 @@ def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation, shard
                              epochs=1, seed=0, base_lr=LR, lr_scaling="keep", base_batch=1, warmup_epochs=0,
                              optimizer="lars")  # fmt: skip
     steps = the_plan.epoch(1, rank_)
-    assert len(steps) == STEPS and the_plan.global_batch == GLOBAL_BATCH
+    if samples is None:
+        assert len(steps) == STEPS and the_plan.global_batch == GLOBAL_BATCH
     t = tiny.training(model, optimizer, rank=rank_, world_size=world, accumulation=accumulation, global_loss=True)
     t.task, t.sum_names = task, ["top1", "probe"]
     result = loop.train_one_epoch(t, steps, tiny.loader_for(train, steps, rank_))
@@ -305,6 +335,114 @@ def test_an_uneven_validation_split_ends_with_one_process_s_metrics(two_ranks):
     for key, value in one.items():
         assert two_ranks[0]["eval"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert one["val_top1"] > 0 and 0 < one["val_probe_acc"] <= 1
+
+
+# -- an epoch's short last step on 3 ranks: micro-batches of different lengths ----------------------------------------
+
+SAMPLES = 1438  # the digits' training samples: at global batch 192, 7 steps and a last one of 94 (32/31/31 on 3 ranks)
+
+
+def test_the_plan_marks_exactly_the_steps_whose_micro_batches_differ_between_ranks():
+    """Step.uneven, which turns on the gathers' row-count exchange, against the lengths of every rank's micro-batches
+    of every step (the plan's own lists): whole steps and --drop-last never, a short last step where they differ."""
+    cases = [(1438, 3, 64, 1, False), (1438, 3, 32, 2, False), (1438, 3, 32, 2, True), (1440, 3, 64, 1, False),
+             (100, 2, 8, 3, False), (110, 2, 8, 3, False), (97, 4, 5, 2, False), (97, 4, 5, 2, True),
+             (64, 2, 16, 2, False)]  # fmt: skip
+    marked = 0
+    for num_train, world, micro_batch, accum_steps, drop_last in cases:
+        the_plan = planning.make(num_train=num_train, world_size=world, micro_batch=micro_batch,
+                                 accum_steps=accum_steps, epochs=1, seed=0, base_lr=0.1, lr_scaling="keep",
+                                 base_batch=1, warmup_epochs=0, drop_last=drop_last)  # fmt: skip
+        ranks = [the_plan.epoch(1, r) for r in range(world)]
+        for steps in zip(*ranks):
+            lengths = {len(m) for step in steps for m in step.micro_batches}
+            assert {step.uneven for step in steps} == {len(lengths) > 1}, (num_train, world, micro_batch, accum_steps)
+            marked += steps[0].uneven
+    # 1438 at 192 (twice), 110 at 48, 97 at 40; 1440 = 7.5 x 192 splits evenly over 3 slots, and 100 at 48 leaves
+    # its last 4 samples out (fewer than the step's 6 micro-batches)
+    assert marked == 4
+
+
+def _plain_accumulation_by_hand(world, micro_batch, accum_steps):
+    """Plain accumulation of the example's gathered loss at `world` ranks, written out in one process: micro-step j of
+    a step is NT-Xent over the j-th micro-batch of every rank (as the plan deals them), weighted by its share of the
+    step's samples; LARS steps at a constant LR. Its weights and mean training loss."""
+    args, task = example("--views", "fixed", "--encoder-norm", "none")
+    train, _ = task.datasets()
+    torch.manual_seed(0)
+    model = task.model()
+    optimizer = optimizers.build(model, "lars", lr=LR, weight_decay=1e-4, bn_bias_separately=True)
+    the_plan = planning.make(num_train=SAMPLES, world_size=world, micro_batch=micro_batch, accum_steps=accum_steps,
+                             epochs=1, seed=0, base_lr=LR, lr_scaling="keep", base_batch=1, warmup_epochs=0,
+                             optimizer="lars")  # fmt: skip
+    ranks = [the_plan.epoch(1, r) for r in range(world)]
+    loss_sum = 0.0
+    for steps in zip(*ranks):
+        optimizer.zero_grad()
+        for j in range(accum_steps):
+            rows = [i for step in steps for i in step.micro_batches[j]]
+            loss = task.loss(model(train.inputs[rows]), train.targets[rows])
+            (loss * len(rows) / steps[0].batch).backward()
+            loss_sum += loss.item() * len(rows)
+        optimizer.step()
+    return model.state_dict(), loss_sum / SAMPLES
+
+
+def _three_rank_runs(rank_, world):
+    return {
+        "whole": _simclr_training(rank_, world, 64, 1, None, samples=SAMPLES),
+        "cached": _simclr_training(rank_, world, 32, 2, cached.cached_accumulation, samples=SAMPLES),
+        "plain": _simclr_training(rank_, world, 32, 2, None, samples=SAMPLES),
+    }
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    """One launch of 3 gloo ranks: the SimCLR example's epoch with its short last step, three ways."""
+    return run_ranks(_three_rank_runs, 3, timeout=300)
+
+
+@pytest.mark.slow
+def test_an_epoch_s_short_last_step_on_3_ranks_equals_one_process_at_the_same_global_batch(three_ranks):
+    """The issue's command (-b 64 on 3 ranks, global batch 192): the last step's 94 samples are 32/31/31 rows per
+    rank; cached accumulation (-b 32 --accum-steps 2) holds 32/31/31 in micro-batches of 16 and 15. Both equal one
+    process at batch 192: the epoch's training loss (each step's NT-Xent over its global batch) and the weights.
+    Fails when the training gathers assume equal rows (no row-count exchange on the plan's uneven steps): gloo ends
+    the mismatched all_gather with an error (nccl may hang, or gather wrong rows)."""
+    one_weights, one_loss = _simclr_training(0, 1, 192, 1, None, samples=SAMPLES)
+    for got in three_ranks:
+        for way in ("whole", "cached"):  # 7e-7 apart after the epoch's 8 LARS steps, the losses 3e-8
+            weights, loss = got[way]
+            assert loss == pytest.approx(one_loss, rel=1e-6), way
+            assert _largest_difference(weights, one_weights) <= 5e-6, way
+
+
+@pytest.mark.slow
+def test_plain_accumulation_of_a_gathered_loss_over_a_short_last_step_on_3_ranks(three_ranks):
+    """-b 32 --accum-steps 2: the last step's second micro-step gathers 16/15/15 rows. Each micro-step's loss is over
+    every rank's rows of that micro-step, as one process computes it by hand. Fails as the test above does."""
+    by_hand, by_hand_loss = _plain_accumulation_by_hand(3, 32, 2)
+    one_weights, _ = _simclr_training(0, 1, 192, 1, None, samples=SAMPLES)
+    assert _largest_difference(by_hand, one_weights) > 3e-4  # another objective than the whole batch's: visibly so
+    for got in three_ranks:
+        weights, loss = got["plain"]
+        assert loss == pytest.approx(by_hand_loss, rel=1e-6)  # 4e-10 apart
+        # the encoder's ReLUs make its weights sensitive to the order of the sums: 1.5e-5 apart (3e-7 with threads)
+        assert _largest_difference(weights, by_hand) <= 3e-5
+
+
+@pytest.mark.slow
+def test_the_contrastive_example_trains_on_3_ranks_through_its_short_last_step(tmp_path):
+    """The issue's command, cached: run.py on 3 ranks at -b 32 --accum-steps 2 (global batch 192, the last step's 94
+    samples 32/31/31 per rank). Fails when the training gathers assume equal rows: the run ends in gloo's error."""
+    args = ["--task", EXAMPLE, "-b", "32", "--accum-steps", "2", "-e", "1", "--runs-dir", str(tmp_path),
+            "--name", "short", "--no-progress"]  # fmt: skip
+    result = launch(args, nproc=3, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "short" / "metrics.csv") as f:
+        row = list(csv.DictReader(f))[-1]
+    assert (int(row["step"]), float(row["global_batch"])) == (8, SAMPLES / 8)
+    assert math.isfinite(float(row["train_loss"]))
 
 
 def test_single_process_evaluation_is_the_plain_nt_xent_of_each_batch():

@@ -159,3 +159,21 @@ def test_early_stopping_max_mode():
     assert stopper(0.6) is True and not stopper.early_stop
     stopper(0.6)
     assert stopper.early_stop
+
+
+def test_a_checkpoint_sets_the_random_state_it_saves():
+    """A resume sets torch's random state from the checkpoint, and setting it makes cuDNN's RNN dropout (on CUDA)
+    draw its own dropout state anew: so the run that writes the checkpoint sets it there too, and goes on drawing as
+    the resumed run does. Fails when Training.state_dict only reads the state (tests/test_cuda.py checks the draws on
+    a GPU)."""
+    import tiny
+    from torch import nn
+
+    from ddp_tricks.training.state import Best
+
+    model = nn.Linear(3, 2)
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1), best=Best("loss", "min"))
+    with tiny.RandomStates() as watched:
+        state = t.state_dict()
+    assert [kind for kind, _ in watched.events] == ["set"]
+    assert torch.equal(watched.events[0][1], state["rng"][0]["torch"])

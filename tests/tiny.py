@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -37,3 +39,25 @@ def loader_for(dataset, steps, rank=0, first_step=0):
     loader = data.train_loader(dataset, rank, CPU, seed=0)
     loader.batch_sampler.start(steps, first_step)
     return loader
+
+
+class RandomStates:
+    """What happens to torch's random state around a model's forwards, watched with nothing replaced: every call of
+    torch.set_rng_state (a profile hook, `sys.setprofile`) and the state each forward starts from (a pre-hook), in
+    order, as ("set", state) and ("forward", state)."""
+
+    def __init__(self, model: nn.Module | None = None):
+        self.events: list[tuple[str, torch.Tensor]] = []
+        if model is not None:
+            model.register_forward_pre_hook(lambda *_: self.events.append(("forward", torch.get_rng_state())))
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code is torch.random.set_rng_state.__code__:
+            self.events.append(("set", frame.f_locals["new_state"].clone()))
+
+    def __enter__(self) -> RandomStates:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)

@@ -116,8 +116,9 @@ def gather_calls() -> int:
 @contextlib.contextmanager
 def uneven_rows():
     """Within it, gather_with_grad first exchanges every rank's number of rows (one small all-gather and one host
-    read per call): the evaluation's last batches differ between ranks. Training steps give every rank as many
-    rows, so their gathers skip that exchange and never wait on the host."""
+    read per call): the evaluation's last batches, and an epoch's short last step in training (the plan marks it,
+    Step.uneven), differ between ranks. Every other training step gives every rank as many rows, so its gathers
+    skip that exchange and never wait on the host."""
     global _uneven
     before, _uneven = _uneven, True
     try:
@@ -138,7 +139,8 @@ def gather_with_grad(tensor: torch.Tensor, return_offset: bool = False):
 
     Without a process group (one process, the start-up check) it is the tensor itself. With `return_offset`, returns
     (gathered, offset): this rank's rows are gathered[offset : offset + len(tensor)]. The trailing dimensions must
-    agree on every rank; the rows may differ only inside uneven_rows() (the template's evaluation)."""
+    agree on every rank; the rows may differ only inside uneven_rows() (the template's evaluation, and the training
+    steps whose micro-batches differ in length between the ranks: an epoch's short last step)."""
     global _gathers
     _gathers += 1
     if not _distributed():

@@ -112,7 +112,7 @@ def setup(
     timeout = datetime.timedelta(seconds=timeout_s)
     if not launch.is_distributed:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return Dist(0, 1, 0, device, backend, dist.new_group(backend="gloo"))
+        return Dist(0, 1, 0, device, backend, dist.new_group(backend="gloo", timeout=timeout))
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun keeps one store across restarts; without a per-attempt prefix, a restarted rank can read the
     # address that a killed rank of the previous attempt published, and gloo then waits on a dead port.
@@ -128,7 +128,8 @@ def setup(
         timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
-    control_group = dist.new_group(backend="gloo")  # its own queue: agreement never waits behind DDP's traffic
+    # its own queue: agreement never waits behind DDP's traffic; a new group's timeout is gloo's 30 minutes unless given
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
     # a failing rank ends the job in seconds; after SIGTERM, a rank stuck in one call ends after `sigterm_grace`
     watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank(), sigterm_grace)
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)

@@ -65,20 +65,22 @@ class AdaScale:
 
 def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_norms, adascale: AdaScale | None,
                      micro_batches: int, noise=None, batch: int = 0, loss_scale=1.0) -> float:  # fmt: skip
-    """The end of a trace step, on every rank: one all-reduce sums each rank's share of the step's mean gradient
-    (every rank takes part, also one with no micro-batch, which adds exactly zero) and, for AdaScale or the noise
-    scale, the micro-batch gradients' squared norms; `p.grad` becomes the sum. The noise scale (`noise`) takes the
-    step's micro-batches as its small batches and the step's `batch` samples as its big one, the same on every
-    rank, on the device. Returns AdaScale's gain (one host sync), or 1."""
+    """The end of a trace step, on every rank: one all-reduce (one per gradient dtype) sums each rank's share of the
+    step's mean gradient in the gradients' own dtype (every rank takes part, also one with no micro-batch, which adds
+    exactly zero); for AdaScale or the noise scale, one more all-reduce of one float64 sums the micro-batch
+    gradients' squared norms; `p.grad` becomes the sum. The noise scale (`noise`) takes the step's micro-batches as
+    its small batches and the step's `batch` samples as its big one, the same on every rank, on the device. Returns
+    AdaScale's gain (one host sync), or 1."""
     apart = adascale is not None or noise is not None
     if apart and not isinstance(sq_norms, torch.Tensor):  # a rank with no micro-batch: a fill, no host copy
         sq_norms = torch.full((), float(sq_norms), dtype=torch.float64, device=params[0].device)
     extras = [sq_norms.to(torch.float64).reshape(1)] if apart else []
-    tensors = grads + extras
-    if dist.is_available() and dist.is_initialized() and tensors:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)
-        torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+    if dist.is_available() and dist.is_initialized():
+        for dtype in dict.fromkeys(g.dtype for g in grads):  # a flat buffer per dtype: torch.cat would promote
+            _all_reduce_flat([g for g in grads if g.dtype == dtype])
+        # apart from the gradients, in float64: AdaScale's variance is the difference of two near-equal sums
+        for extra in extras:
+            dist.all_reduce(extra)
     for p, g in zip(params, grads):
         p.grad = g
     if not apart:
@@ -91,6 +93,13 @@ def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_n
         return 1.0
     sum_sq, mean_sq = torch.stack([extras[0][0], mean_sq]).tolist()  # the one host sync of the step
     return adascale.update(sum_sq, mean_sq, micro_batches)
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor]) -> None:
+    """Sum tensors of one dtype across ranks in place, in one all-reduce of one flat buffer of that dtype."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
 
 class TraceReduction:

@@ -2,11 +2,11 @@
 through gather_with_grad, over every rank's), at the memory of one micro-batch. The other way to run a step, beside
 loop.py's plain accumulation; a run chooses one when it is built (`choose`), never inside a step.
 
-A step: (1) every micro-batch's outputs without a graph, each micro-batch's random state kept; (2) the task's loss
-on their concatenation and its gradient with respect to those outputs (no model in that graph); (3) each micro-batch
-again, its random state restored (the same dropout), with a graph, back-propagating its slice of that gradient;
-gradients reduced across ranks on the last backward only (DDP's no_sync, FSDP's gradient sync off, before), as in
-plain accumulation.
+A step: (1) every micro-batch's outputs without a graph, each micro-batch's random state set and kept; (2) the task's
+loss on their concatenation and its gradient with respect to those outputs (no model in that graph); (3) each
+micro-batch again, its random state set again (the same dropout: cuDNN's RNN dropout too, `_reseed`), with a graph,
+back-propagating its slice of that gradient; gradients reduced across ranks on the last backward only (DDP's no_sync,
+FSDP's gradient sync off, before), as in plain accumulation.
 Cost: a second forward of every micro-batch. Requires: a forward that changes no state but BatchNorm's running
 statistics (those are put back after (1), so only (3) updates them, once per micro-batch as plain accumulation
 does), and outputs whose tensors stack along their first dimension (samples).
@@ -54,7 +54,7 @@ def cached_accumulation(t: Training, step: Step, batches, units_of):
     states, outputs = [], []
     with torch.no_grad():
         for inputs, *_ in fetched:
-            states.append(_rng_state(t.device))
+            states.append(_reseed(t.device))
             with t.precision.autocast():
                 outputs.append(float_outputs(t.model(inputs)))
         for buffer, value in zip(norms, kept):  # only the second forward updates BatchNorm's statistics
@@ -114,6 +114,16 @@ def _cat(column: tuple[torch.Tensor, ...]) -> torch.Tensor:
             f"and these do not fit ({shapes}: {str(error).splitlines()[0][:80]}); pad them to one shape, or set "
             "cached_accumulation = False"
         ) from None
+
+
+def _reseed(device: torch.device):
+    """The random state a micro-batch's first forward runs with: read, and set again as the second forward sets it.
+    Setting it is what counts for cuDNN's RNN dropout (nn.LSTM / nn.GRU with dropout, on CUDA), which keeps a dropout
+    state of its own and draws it anew from torch's generator only after the generator's state is set (or seeded):
+    with the state only read here, the first forward would drop other units than the second."""
+    state = _rng_state(device)
+    _set_rng_state(state, device)
+    return state
 
 
 def _rng_state(device: torch.device):

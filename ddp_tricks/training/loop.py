@@ -179,16 +179,19 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
         progress.update(first_step)
     accumulate = t.accumulation or plain_accumulation  # chosen when the run was built (cached.py's, or this one)
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
-        for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
-            with torch.no_grad():
-                row = batch_sums(t, outputs, targets, loss, units)
-                if skip_nonfinite:  # keep the skipped batch out of the epoch's sums
-                    nonfinite = ~torch.isfinite(row[0])
-                    step_nonfinite |= nonfinite
-                    row = torch.where(nonfinite, torch.zeros_like(row), row)
-                running += row
-            t.epoch_units += units
-            t.epoch_samples += samples
+        # an epoch's short last step gives the ranks micro-batches of different lengths: only there do the task's
+        # gathers (its loss's, its metric sums') exchange their row counts, a host read each
+        with uneven_rows() if step.uneven else contextlib.nullcontext():
+            for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
+                with torch.no_grad():
+                    row = batch_sums(t, outputs, targets, loss, units)
+                    if skip_nonfinite:  # keep the skipped batch out of the epoch's sums
+                        nonfinite = ~torch.isfinite(row[0])
+                        step_nonfinite |= nonfinite
+                        row = torch.where(nonfinite, torch.zeros_like(row), row)
+                    running += row
+                t.epoch_units += units
+                t.epoch_samples += samples
         if t.reduction is not None:  # a traced step: its gradients reduced (and its noise scale measured) here
             gain = t.reduction.finish(step.batch, t.precision.loss_scale())
         else:

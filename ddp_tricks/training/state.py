@@ -172,7 +172,9 @@ class Training:
     def state_dict(self) -> dict:
         """The whole training state, with every rank's RNG and (mid-epoch) running sums: a collective, called on
         every rank. Tensors and plain containers only, so `torch.load(weights_only=True)` reads it back."""
-        rng = gather_objects(rng_state())
+        mine = rng_state()
+        restore_rng(mine)  # set as a resume sets it: cuDNN's RNN dropout draws anew here, resumed or not (restore_rng)
+        rng = gather_objects(mine)
         mid_epoch = self.step_in_epoch > 0 and self.epoch_sums is not None
         sums = None
         if mid_epoch:
@@ -265,6 +267,9 @@ def rng_state() -> dict:
 
 
 def restore_rng(state: dict) -> None:
+    """Set this process's random generators to `state` (rng_state's). Setting torch's CUDA generator also makes
+    cuDNN's RNN dropout draw its own dropout state anew from it at its next use (that state is not in `state`): so
+    a checkpoint sets what it saves (Training.state_dict), and the run it continues draws as the resumed one."""
     version, keys, gauss = state["python"]
     random.setstate((version, tuple(keys), gauss))
     name, np_keys, pos, has_gauss, cached = state["numpy"]
