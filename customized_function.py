@@ -25,6 +25,12 @@ def same_seeds(seed: int) -> None:
 NONDETERMINISTIC = (r".* does not have a deterministic implementation", r"Deterministic behavior was enabled")
 
 
+DETERMINISTIC_NOTE = (
+    "--deterministic: an op without a deterministic kernel warns once, by name, instead of stopping the run; a run "
+    "that uses one is not bit-reproducible"
+)
+
+
 def use_deterministic_algorithms(show_warnings: bool = True) -> None:
     """torch.use_deterministic_algorithms(True), with what CUDA needs for it (a cuBLAS workspace, no autotuning).
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from customized_function import EarlyStopping, same_seeds, use_deterministic_algorithms
+from customized_function import DETERMINISTIC_NOTE, EarlyStopping, same_seeds, use_deterministic_algorithms
 from ddp_tricks import failures, models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
@@ -74,10 +74,11 @@ def run(flags, task, process: launch.Launch) -> int:
     model = task.model()
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
-    plan = make_plan(flags, len(train_set), process.world_size, state)
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     setup = preflight.Setup(process.world_size, nccl=nccl, **cli.check_options(flags))
-    found = preflight.check(task, model, train_set, plan, setup)  # one record: what comes after takes it
+    plan, found = preflight.check(  # one record of what the checks found: what comes after takes it
+        task, model, train_set, setup, lambda: make_plan(flags, len(train_set), process.world_size, state)
+    )
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
@@ -111,6 +112,8 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     for note in ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale):
         log.info(note)
+    if flags.deterministic:
+        log.info(DETERMINISTIC_NOTE)
     if flags.plot_lr:
         if dist.is_main:
             log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path))

@@ -233,7 +233,9 @@ def _reshard(rank, world_size, source, target):
     train_set, _ = task.datasets()
     model = task.model()
     plan = run.make_plan(flags, len(train_set), world_size)
-    found = preflight.check(task, model, train_set, plan, preflight.Setup(world_size, **cli.check_options(flags)))
+    plan, found = preflight.check(
+        task, model, train_set, preflight.Setup(world_size, **cli.check_options(flags)), lambda: plan
+    )
     t = run.build_training(flags, task, model, found, plan, Dist(rank, world_size, rank, CPU, "gloo"))
     t.load_state_dict(checkpoint.load(source, "fsdp"), str(source))
     target.mkdir(exist_ok=True)

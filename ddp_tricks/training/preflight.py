@@ -27,6 +27,7 @@ class Setup:
     nccl: bool = False  # the backend between the ranks is nccl
     apex: bool = False  # --amp-backend apex
     ddp_waits_for_every_gradient: bool = False  # DDP without --find-unused-parameters or --static-graph
+    traced: bool = False  # --batch-trace: a traced run reduces its gradients itself (no DDP reducer)
     noise_scale: bool = True  # not --no-noise-scale
 
 
@@ -64,15 +65,18 @@ class Findings:
         return notes
 
 
-def check(task, model: nn.Module, dataset, plan: Plan, setup: Setup) -> Findings:
-    """Every start-up check of the task against this run, in order; the record of what they found. Also
+def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[], Plan]) -> tuple[Plan, Findings]:
+    """Every start-up check of the task against this run, in order: the task's own pieces first (a task that does
+    not fit together is said before anything that depends on it), then `make_plan()` (the run's plan, whose own
+    mistakes come next), then the task against the plan. The plan and the record of what was found. Also
     initialises lazy modules (the first forward)."""
     collate = getattr(task, "collate", None)
     sum_names = seam.check_task(task, model, dataset, collate)
-    if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not plan.traced:
+    if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not setup.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units = fsdp.shard_units(task, model) if setup.strategy == "fsdp" else []
+    plan = make_plan()
     seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl)
     seam.check_batchnorm(model, dataset, collate, plan.smallest_micro_batch, plan.why_small())
     global_loss = seam.check_global_loss(task, model, dataset, collate, traced=plan.traced)
@@ -85,4 +89,4 @@ def check(task, model: nn.Module, dataset, plan: Plan, setup: Setup) -> Findings
         )
     if plan.auto:
         auto_batch.refuse_auto_without(no_noise_scale)
-    return Findings(sum_names, collate, tuple(sparse), tuple(units), global_loss, accumulation, no_noise_scale)
+    return plan, Findings(sum_names, collate, tuple(sparse), tuple(units), global_loss, accumulation, no_noise_scale)
