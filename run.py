@@ -164,7 +164,8 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
     best = t.best
     others = ", ".join(f"{k} {v:.4f}" for k, v in best.val.items() if k != best.metric)
-    log.info("best %s %.4f at epoch %d (%s); run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
+    others = f" ({others})" if others else ""  # a task that reports one metric and no validation loss has none
+    log.info("best %s %.4f at epoch %d%s; run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
     return 0
 
 
