@@ -6,7 +6,7 @@ its own `score()` (no validation loss): recall and mAP at IoU 0.5, over the whol
 (the detections of every rank gathered: `gathered`; docs/tasks.md).
 
     torchrun --standalone --nproc_per_node=2 run.py --task examples/detection.py:Shapes --optimizer adamw \\
-        -l 0.001 -b 8 -e 12 --warmup-epochs 1 --scheduler cosine
+        -l 0.001 -b 4 -e 12 --warmup-epochs 1 --scheduler cosine   # recall 0.881, mAP 0.426 (best 0.433)
 
 A model that takes its targets in training (torchvision's detectors: `model(images, targets)`) gets them in its
 inputs: `collate()` puts them there, and a small wrapper passes them on only in training mode.
