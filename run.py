@@ -135,7 +135,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
     )
     for epoch in range(t.completed_epochs + 1, flags.epochs + 1):
         if plan.auto and t.step_in_epoch == 0:  # --batch-trace auto: the epoch's batch, from the noise scale
-            plan = auto_batch.grow(plan, t.noise.agreed_scale(), t.global_step, epoch)
+            plan = auto_batch.grow(plan, t.noise.agreed_scale(t.units_per_sample), t.global_step, epoch)
             checkpoints.plan = plan.summary()
         steps = plan.epoch(epoch, t.rank, first_trace_step=t.global_step - t.step_in_epoch)
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
@@ -167,7 +167,8 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
     best = t.best
     others = ", ".join(f"{k} {v:.4f}" for k, v in best.val.items() if k != best.metric)
-    log.info("best %s %.4f at epoch %d (%s); run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
+    others = f" ({others})" if others else ""  # a task that reports one metric and no validation loss has none
+    log.info("best %s %.4f at epoch %d%s; run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
     return 0
 
 
@@ -249,6 +250,8 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         global_loss=found.global_loss,
         noise=noise,
         noise_parts=noise_parts,
+        sum_shapes=found.sum_shapes,
+        scoring=found.scoring,
         rank=dist.rank,
         world_size=dist.world_size,
     )

@@ -16,9 +16,15 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
     shard_units(self, model)     optional, --strategy fsdp: the blocks of the model sharded one by one, a
                                  list of modules as one unit (default: each direct child of the model that
                                  holds parameters, children that share a parameter as one unit)
-    metric_sums(self, outputs, targets)  optional: {name: SUM over the batch}; sums stay exact across ranks
-    metrics(self, sums, count)   optional: {reported name: value} from the sums over a whole set, count = its
-                                 units (default: each sum / count, under the sum's name)
+    metric_sums(self, outputs, targets)  optional: {name: SUM over the batch}, a tensor of one shape in every
+                                 batch (a count, per-class counts); sums stay exact across ranks
+    metrics(self, sums, count)   optional: {reported name: value} from the sums over a whole set (and the rows
+                                 `gathered` names), count = its units (default: each sum / count, under its name)
+    score(self, outputs, targets)  optional: a validation batch's metric states from the model's eval-mode
+                                 outputs (predictions), in place of loss() and metric_sums(): no val_loss, and
+                                 `monitor` names a metric (a detector: examples/detection.py)
+    gathered = ("scores",)       optional: score()'s states that are rows, concatenated over the whole validation
+                                 set from every rank instead of summed (an AUC's scores: examples/recommender.py)
     better = {"acc": "max"}      every reported metric besides the loss, and whether higher or lower is better
     monitor = "loss"             the validation metric that picks best.pt and drives early stopping and
                                  ReduceLROnPlateau (`--monitor NAME` chooses another reported one)
@@ -31,7 +37,7 @@ What a task file imports from the template comes from one place: `from ddp_trick
 UserError` (raise UserError for a mistake in the task's own flags: one line, exit 2). A loss over the global batch
 uses `from ddp_tricks import gather_with_grad, rank, world_size`: gather_with_grad(z) is every rank's z, in rank
 order, with gradients back to each rank's rows (the identity in one process); see docs/tasks.md. `python run.py --task
-path/to/file.py:ClassName` trains a task from another file; examples/ has four. Heavy imports (torch,
+path/to/file.py:ClassName` trains a task from another file; examples/ has six. Heavy imports (torch,
 torchvision) sit inside the methods so that `run.py --help` answers at once. docs/tasks.md has the rules in full.
 """
 

@@ -34,7 +34,7 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
     config = Path(run_dir) / "config.json"
     shown = json.loads(config.read_text()).get("task_metrics", {}) if config.is_file() else {}
     epochs = [r["epoch"] for r in rows]
-    names = [k[len("val_") :] for k in rows[0] if k.startswith("val_")]
+    names = list(dict.fromkeys(k.split("_", 1)[1] for k in rows[0] if k.startswith(("train_", "val_"))))
     noise = [r.get("noise_scale", math.nan) for r in rows]
     measured = any(math.isfinite(v) for v in noise)  # a run that saw two batch sizes per step (training/noise.py)
     panels = len(names) + 1 + measured
@@ -105,7 +105,8 @@ def overlay(run_dirs: list[str | Path], path: str | Path, metric: dict, by: str 
         if f"train_{name}" in rows[0]:
             train = [scale * r[f"train_{name}"] for r in rows]
             ax_metric.plot(epochs, train, "--", color=line.get_color(), alpha=0.6)
-        ax_loss.plot(epochs, [r["val_loss"] for r in rows], "o-", color=line.get_color(), label=label)
+        losses = [r.get("val_loss", math.nan) for r in rows]  # none where the task's score() evaluates
+        ax_loss.plot(epochs, losses, "o-", color=line.get_color(), label=label)
         ax_lr.plot(epochs, [r["lr"] for r in rows], "o-", color=line.get_color(), label=label)
         if measured:
             axes[3].plot(epochs, [r.get("noise_scale", math.nan) for r in rows], "o-", color=line.get_color(),

@@ -117,3 +117,54 @@ def test_two_ranks_measure_what_one_process_measures_from_two_micro_batches(runs
     for a, b in [*zip(one, two), *zip(traced_one, traced_two)]:  # a traced step deals its micro-batches alike
         for column in COLUMNS:
             assert b[column] == pytest.approx(a[column], rel=1e-6), column
+
+
+UNIT_FLAGS = ["--task", "tests/noise_tasks.py:BaggedDigits", "-b", "8", "-l", "1e-9", "--momentum", "0", "--wd", "0",
+              "--warmup-epochs", "0", "-e", "4", "--no-progress", "-s", "0"]  # fmt: skip
+
+
+def per_unit_truth() -> tuple[float, float]:
+    """tr(Sigma) and |G|^2 of the per-digit gradients (a digit is the task's unit) over every digit of the training
+    bags, at the weights the runs start from."""
+    from torch.func import functional_call, grad, vmap
+
+    from customized_function import same_seeds
+    from ddp_tricks import cli
+
+    flags, task_class = cli.parse([*UNIT_FLAGS, "-n", "truth"])
+    task = task_class(flags)
+    same_seeds(flags.seed)
+    train_set, _ = task.datasets()
+    model = task.model()
+    real = train_set.targets != -100
+    digits, labels = train_set.inputs[real], train_set.targets[real]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x, y):
+        return task.loss(functional_call(model, p, (x[None, None],)), y[None, None])
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, digits, labels)
+    flat = torch.cat([g.reshape(len(digits), -1) for g in grads.values()], dim=1).double()
+    mean = flat.mean(0)
+    return ((flat - mean) ** 2).sum(1).mean().item(), mean.pow(2).sum().item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_task_s_units_are_the_noise_scale_s_batch_sizes(tmp_path):
+    """Bags of 1 to 4 digits (2.5 on average), the loss the mean over digits (units()): the estimates from 2 ranks
+    and from one process's 2 micro-batches equal the per-digit truth. Broken on purpose (the batch sizes counted in
+    samples, as before #38: `samples` for `units` in plain_accumulation, `step.batch` for the step's units), tr(Sigma)
+    comes out about 2.5 times too small."""
+    one = launch([*UNIT_FLAGS, "--accum-steps", "2", "-n", "one", "--runs-dir", str(tmp_path)], nproc=None)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "measured from each micro-batch's (the units of 8 samples, as the task's units() counts them)" in one.stdout
+    two = launch([*UNIT_FLAGS, "-n", "two", "--runs-dir", str(tmp_path)])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "each rank's gradient (the units of 8 samples" in two.stdout and "noise scale are in units" in two.stdout
+    trace, grad_sq = per_unit_truth()
+    for name in ("one", "two"):
+        last = rows(tmp_path / name)[-1]
+        assert last["grad_noise_trace"] == pytest.approx(trace, rel=0.15), name
+        assert last["grad_sq_norm"] == pytest.approx(grad_sq, rel=0.15), name
+        assert last["noise_scale"] == pytest.approx(trace / grad_sq, rel=0.3), name

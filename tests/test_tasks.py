@@ -241,17 +241,21 @@ class WrongOutput:
 
 
 class Shaped(WrongOutput):
+    better = {"hits": "max"}
+
     def model(self):
         return nn.Linear(5, 3)
 
     def loss(self, outputs, targets):
         return F.cross_entropy(outputs, targets)
 
-    def metric_sums(self, outputs, targets):
-        return {"hits": (outputs.argmax(1) == targets).sum().reshape(1)}
+    def metric_sums(self, outputs, targets):  # hits per class: a sum of shape (3,), reported as it is
+        return {"hits": torch.bincount(targets[outputs.argmax(1) == targets], minlength=3)}
 
 
 class Unnamed(Shaped):
+    better = {}
+
     def metric_sums(self, outputs, targets):
         return {"hits": (outputs.argmax(1) == targets).sum()}
 """
@@ -265,7 +269,7 @@ class Unnamed(Shaped):
         ("{bad}:NoLoss", [], "NoLoss lacks loss(); a task needs datasets(), model() and loss(outputs, targets)"),
         ("{bad}:WrongOutput", [], "the task's model output (on inputs of shape (4, 5)) does not fit its loss"),
         ("{bad}:Unnamed", [], "the task reports metrics ['hits'] but its `better` names []"),
-        ("{bad}:Shaped", [], "metric_sums() must give scalar tensors (batch sums); 'hits' is not"),
+        ("{bad}:Shaped", [], "the task reports 'hits' as a tensor of shape (3,) from a state without metrics()"),
         ("task.py:Task", ["--monitor", "f1"], "--monitor-metric 'f1' is not a reported metric: use one of loss, acc"),
         ("examples/regression.py:Diabetes", ["--dataset", "mnist"], "--dataset is a flag of the built-in task"),
         ("examples/regression.py:Diabetes", ["--hidden", "0"], "--hidden must be a positive number of units, got 0"),
@@ -274,7 +278,7 @@ class Unnamed(Shaped):
 def test_a_mistake_in_a_task_is_one_line_exit_2_and_leaves_nothing(spec, extra, message, tmp_path, capsys):
     (tmp_path / "bad.py").write_text(BAD_TASK)
     runs = tmp_path / "runs"
-    argv = ["--task", spec.format(bad=tmp_path / "bad.py"), *extra, "--runs-dir", str(runs), "-e", "1"]
+    argv = ["--task", spec.format(bad=tmp_path / "bad.py"), *extra, "--runs-dir", str(runs), "-e", "1", "-b", "4"]
     assert run.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err

@@ -19,25 +19,29 @@ import torch
 from ddp_tricks import cli
 from ddp_tricks.data import loaders
 from ddp_tricks.storage import checkpoint, run_folder
-from ddp_tricks.training import batches, precise_bn, seam
+from ddp_tricks.training import batches, metric_states, precise_bn
 
 
 def evaluate(task, model, dataset, collate=None, batch: int = 1000) -> dict[str, float]:
     """The task's loss and metrics over the dataset (`val_loss`, `val_<metric>`), in eval mode, from its sums,
     batched as the template batches it and weighed by the task's units."""
     model.eval()
-    names, totals, units_total = None, None, 0.0
+    layout, totals, units_total = None, None, 0.0
     with torch.no_grad():
         for start in range(0, len(dataset), batch):
-            inputs, targets = loaders.batch_of(dataset, list(range(start, min(start + batch, len(dataset)))), collate)
+            indices = list(range(start, min(start + batch, len(dataset))))
+            inputs, targets = loaders.batch_of(dataset, indices, collate)
             outputs = batches.float_outputs(model(inputs))
             sums = task.metric_sums(outputs, targets) if hasattr(task, "metric_sums") else {}
-            units = float(task.units(inputs, targets) if hasattr(task, "units") else batches.samples_in(targets))
-            names = list(sums)
-            row = [float(task.loss(outputs, targets)) * units, *(float(v) for v in sums.values())]
+            units = float(task.units(inputs, targets) if hasattr(task, "units") else len(indices))
+            layout = metric_states.Layout.of_states(sums)
+            row = [
+                float(task.loss(outputs, targets)) * units,
+                *torch.cat([s.double() for s in layout.flat(sums)] or [torch.zeros(0)]).tolist(),
+            ]
             totals = row if totals is None else [a + b for a, b in zip(totals, row)]
             units_total += units
-    return seam.report(task, names, "val", totals, units_total)
+    return metric_states.report(task, layout, "val", totals, units_total)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,13 @@ def monitored_metric(task_class: type, flag: str | None) -> str:
             f"{where} {name!r} is not a reported metric: use one of {', '.join(names)}, or name it in the task's "
             f"`better` (e.g. better = {{{bare!r}: 'max'}})"
         )
+    if bare == "loss" and hasattr(task_class, "score"):
+        where = "--monitor-metric loss" if flag is not None else "the task monitors its loss (monitor = 'loss')"
+        named = ", ".join(getattr(task_class, "better", {})) or "none yet: name them in `better`"
+        raise UserError(
+            f"{where}, but the task scores its validation set with score(), which reports no validation loss: set "
+            f"monitor = 'NAME' in the task (or pass --monitor-metric NAME), NAME one of its metrics ({named})"
+        )
     return f"val_{bare}"
 
 

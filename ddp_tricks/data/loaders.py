@@ -129,6 +129,12 @@ def val_loader(
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)
 
 
+def batch_sizes(loader: DataLoader):
+    """The samples of each batch the loader yields, in order: the dataset items its batch sampler puts in each
+    (whatever structure the batch has: a list of dicts, labels concatenated over sequences)."""
+    return (len(indices) for indices in loader.batch_sampler)
+
+
 def both(
     train_set: Dataset,
     val_set: Dataset,

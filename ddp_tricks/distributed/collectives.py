@@ -1,5 +1,6 @@
 """Values reduced across ranks: sums, minima, one flag that every rank agrees on, buffers from rank 0, small
-gathers, and the gather a task's loss may use (`gather_with_grad`: every rank's rows, gradients flowing back).
+gathers, the rows of evaluation's gathered metric states (`gather_rows`), and the gather a task's loss may use
+(`gather_with_grad`: every rank's rows, gradients flowing back).
 Each is a no-op (or the value itself) in a single process without a process group.
 """
 
@@ -68,6 +69,23 @@ def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return torch.stack(parts)
+
+
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of `tensor`, concatenated along the first dimension in rank order, without gradients (the
+    tensor itself alone): the ranks' numbers of rows may differ (each is padded to the longest for the all-gather
+    and cut back after); the other dimensions and the dtype must agree. One small all-gather of the row counts (a
+    host read) and one of the rows: evaluation's gathered metric states, once per evaluation, never in a step."""
+    if not _distributed():
+        return tensor
+    sizes = [int(n) for n in gather_from_ranks(torch.tensor([len(tensor)], device=tensor.device)).flatten().tolist()]
+    dtype = tensor.dtype
+    padded = (tensor.to(torch.uint8) if dtype == torch.bool else tensor).contiguous()  # backends move bytes, not bools
+    if len(tensor) < max(sizes):
+        padded = torch.cat([padded, padded.new_zeros((max(sizes) - len(tensor), *tensor.shape[1:]))])
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)]).to(dtype)
 
 
 def broadcast_floats(tensor: torch.Tensor) -> list[float]:

@@ -69,7 +69,8 @@ def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_n
     step's mean gradient in the gradients' own dtype (every rank takes part, also one with no micro-batch, which adds
     exactly zero); for AdaScale or the noise scale, one more all-reduce of one float64 sums the micro-batch
     gradients' squared norms; `p.grad` becomes the sum. The noise scale (`noise`) takes the step's micro-batches as
-    its small batches and the step's `batch` samples as its big one, the same on every rank, on the device. Returns
+    its small batches and the step's `batch` samples (or units: a device tensor) as its big one, the same on every
+    rank, on the device. Returns
     AdaScale's gain (one host sync), or 1."""
     apart = adascale is not None or noise is not None
     if apart and not isinstance(sq_norms, torch.Tensor):  # a rank with no micro-batch: a fill, no host copy
@@ -130,14 +131,16 @@ class TraceReduction:
         for p in self.params:
             p.grad = None
 
-    def finish(self, batch: int, loss_scale=1.0) -> float:
+    def finish(self, batch: int, loss_scale=1.0, units=None) -> float:
         """All-reduce the step's gradients into p.grad; return AdaScale's gain (or 1). `loss_scale`: fp16's, which
-        the noise scale's squared norms are divided by."""
+        the noise scale's squared norms are divided by; `units`: the step's units over every rank (the task's
+        units(), a device tensor), the noise scale's batch sizes (default: the `batch` samples)."""
         if self._accumulated is not None:
             grads = self._accumulated
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         count = -(-batch // self.micro_batch)
-        gain = reduce_gradients(self.params, grads, self._sq_norms, self.adascale, count, self.noise, batch, loss_scale)
+        big = batch if units is None else units
+        gain = reduce_gradients(self.params, grads, self._sq_norms, self.adascale, count, self.noise, big, loss_scale)
         self._accumulated, self._sq_norms = None, 0.0
         return gain

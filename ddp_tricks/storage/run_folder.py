@@ -46,10 +46,18 @@ def holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in RUN_FILES)
 
 
+def validation_metrics(task) -> list[str]:
+    """The metrics an evaluation reports: the loss and the task's, or only the task's where its score() evaluates
+    (no validation loss)."""
+    names = list(getattr(task, "better", {}))
+    return names if hasattr(task, "score") else ["loss", *names]
+
+
 def metric_columns(task) -> list[str]:
     """metrics.csv's columns: the task's reported metrics for training and validation, then the run's numbers."""
     names = ["loss", *getattr(task, "better", {})]
-    return ["epoch", "step", *(f"train_{n}" for n in names), *(f"val_{n}" for n in names), "lr", "global_batch",
+    val_names = validation_metrics(task)
+    return ["epoch", "step", *(f"train_{n}" for n in names), *(f"val_{n}" for n in val_names), "lr", "global_batch",
             "world_size", "accum_steps", "noise_scale", "grad_noise_trace", "grad_sq_norm",
             "epoch_seconds", "samples_per_second", "skipped_steps"]  # fmt: skip
 

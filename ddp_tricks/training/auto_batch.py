@@ -53,18 +53,22 @@ def refuse_auto_without(why_not: str | None) -> None:
         )
 
 
-def describe(plan: Plan) -> str:
-    """Where a run's small batches come from, for its log."""
+def describe(plan: Plan, units: bool = False) -> str:
+    """Where a run's small batches come from, for its log; `units`: the task counts units of its own (units()), in
+    which the batch sizes, and so the noise scale, are counted."""
     if plan.traced:
-        return (
-            f"gradient noise scale: measured from each micro-batch's gradient ({plan.micro_batch} samples) and the "
-            "step's"
-        )
-    if plan.world_size > 1:
-        small, source = plan.micro_batch * plan.accum_steps, "each rank's gradient"
+        small, source, big = plan.micro_batch, "each micro-batch's gradient", ""
+    elif plan.world_size > 1:
+        small, source, big = plan.micro_batch * plan.accum_steps, "each rank's gradient", f" ({plan.global_batch})"
     else:
-        small, source = plan.micro_batch, "each micro-batch's"
-    return f"gradient noise scale: measured from {source} ({small} samples) and the step's ({plan.global_batch})"
+        small, source, big = plan.micro_batch, "each micro-batch's", f" ({plan.global_batch})"
+    if not units:
+        return f"gradient noise scale: measured from {source} ({small} samples) and the step's{big}"
+    big = f" (of {plan.global_batch})" if big else ""
+    return (
+        f"gradient noise scale: measured from {source} (the units of {small} samples, as the task's units() counts "
+        f"them) and the step's{big}: the loss averages over units, so the batch sizes and the noise scale are in units"
+    )
 
 
 def attach(device, world_size: int, model, params, traced: bool):
@@ -89,7 +93,7 @@ def start(micro_batch: int, world_size: int, accum_steps: int, num_train: int, c
 
 def grow(plan: Plan, noise_scale: float, global_step: int, epoch: int) -> Plan:
     """At an epoch's start: the plan whose trace goes on with the batch the noise scale measured so far asks for
-    (one agreed value: rank 0's), said in the log when it changes."""
+    (one agreed value: rank 0's, in samples: NoiseScale.agreed_scale), said in the log when it changes."""
     before = plan.rows(global_step)[-1] if global_step else plan.trace[0]
     plan = plan.grown(noise_scale, global_step)
     if plan.trace[-1] != before:

@@ -1,7 +1,8 @@
 """Batches and outputs of any structure: a tensor, or dicts / tuples / lists / named tuples / dataclasses of tensors
 (and leaves that are not tensors, passed through as they are). Moving to the device, casting the model's floating
-outputs to float32, counting a batch's samples and describing a batch in a message all walk the structure; a
-plain tensor takes a short path with no walk at all.
+outputs to float32, emptying a batch and describing a batch in a message all walk the structure; a plain tensor
+takes a short path with no walk at all. A batch's samples are never counted from its structure: they are the
+dataset items it was made of, which the plan (training) and the batch sampler (evaluation) know.
 """
 
 from __future__ import annotations
@@ -68,21 +69,24 @@ def detached(value):
     return value.detach() if isinstance(value, torch.Tensor) else map_tensors(torch.Tensor.detach, value)
 
 
-def no_rows(value):
-    """The batch with none of its samples: every tensor of at least one dimension cut to its first 0 rows (the
-    evaluation's uncounted batch on a rank with fewer batches, where the task's loss gathers from every rank)."""
+def no_rows(value, samples: int | None = None):
+    """The batch with none of its samples: every tensor of at least one dimension cut to its first 0 rows, and every
+    list of `samples` items (one item per sample: images, dicts of boxes) emptied (the evaluation's uncounted batch
+    on a rank with fewer batches, where the task's evaluation gathers from every rank)."""
+    if isinstance(value, list) and samples is not None and len(value) == samples:
+        return []
+    if isinstance(value, torch.Tensor):
+        return value[:0] if value.dim() > 0 else value
+    if isinstance(value, Mapping) or (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")):
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        emptied = {key: no_rows(item, samples) for key, item in items}
+        if isinstance(value, Mapping):
+            try:
+                return type(value)(emptied)
+            except TypeError:
+                return emptied
+        return type(value)(emptied.values())
     return map_tensors(lambda tensor: tensor[:0] if tensor.dim() > 0 else tensor, value)
-
-
-def samples_in(targets, inputs=None) -> int:
-    """The samples in a batch: the first dimension of its targets (of their first tensor), else of the inputs'."""
-    if isinstance(targets, torch.Tensor) and targets.dim() > 0:
-        return len(targets)
-    for value in (targets, inputs):
-        for tensor in tensors_in(value):
-            if tensor.dim() > 0:
-                return len(tensor)
-    raise ValueError("a batch with no tensor of at least one dimension: its samples cannot be counted")
 
 
 def describe(value) -> str:

@@ -15,7 +15,8 @@ does), and outputs whose tensors stack along their first dimension (samples).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from torch import nn
 from ddp_tricks.distributed.wrap import accumulating
 from ddp_tricks.errors import UserError
 from ddp_tricks.plan import Step
-from ddp_tricks.training.batches import float_outputs, map_tensors, tensors_in
+from ddp_tricks.training.batches import describe, float_outputs, map_tensors, tensors_in
 from ddp_tricks.training.loop import micro_batches
 from ddp_tricks.training.state import Training
 
@@ -62,7 +63,7 @@ def cached_accumulation(t: Training, step: Step, batches, units_of):
 
     reps = concat(outputs)
     leaves = [r.requires_grad_() for r in tensors_in(reps) if r.is_floating_point()]
-    targets = concat([f[1] for f in fetched])
+    targets = concat([f[1] for f in fetched], [f[2] for f in fetched])
     samples, units = sum(f[2] for f in fetched), sum(f[3] for f in fetched)
     weight = samples / step.divisor if units_of is None else sum(f[4] for f in fetched)
     with torch.enable_grad():
@@ -90,12 +91,41 @@ def cached_accumulation(t: Training, step: Step, batches, units_of):
     yield map_tensors(torch.Tensor.detach, reps), targets, loss.detach(), units, samples
 
 
-def concat(parts: list):
+def concat(parts: list, samples: list[int] | None = None):
     """Structures of the same shape (a step's micro-batch outputs or targets) as one: each tensor concatenated
-    along its first dimension, leaves that are not tensors taken from the first."""
-    columns = zip(*(tensors_in(part) for part in parts))
-    joined = iter([_cat(column) for column in columns])
-    return map_tensors(lambda _: next(joined), parts[0])
+    along its first dimension, a list of one item per sample (its length the micro-batch's `samples`: a detector's
+    dicts of boxes) joined into one list, leaves that are not tensors taken from the first."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return _cat(tuple(parts))
+    if samples is not None and all(isinstance(p, list) and len(p) == n for p, n in zip(parts, samples)):
+        return [item for part in parts for item in part]
+    if isinstance(first, Mapping):
+        if any(not isinstance(p, Mapping) or list(p) != list(first) for p in parts):
+            _differ(parts)
+        joined = {key: concat([p[key] for p in parts], samples) for key in first}
+        try:
+            return type(first)(joined)
+        except TypeError:
+            return joined
+    if isinstance(first, (tuple, list)):
+        if any(type(p) is not type(first) or len(p) != len(first) for p in parts):
+            _differ(parts)
+        columns = [concat(list(column), samples) for column in zip(*parts)]
+        return type(first)(*columns) if hasattr(first, "_fields") else type(first)(columns)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        fields = [f.name for f in dataclasses.fields(first) if f.init]
+        return dataclasses.replace(first, **{f: concat([getattr(p, f) for p in parts], samples) for f in fields})
+    return first
+
+
+def _differ(parts: list) -> None:
+    shown = "; ".join(describe(p)[:120] for p in parts[:2])
+    raise UserError(
+        f"cached accumulation joins the step's micro-batch outputs and targets, and their structures differ ({shown}):"
+        " give every micro-batch the same structure (a list of one item per sample is joined), or set "
+        "cached_accumulation = False"
+    )
 
 
 def _cat(column: tuple[torch.Tensor, ...]) -> torch.Tensor:

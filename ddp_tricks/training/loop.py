@@ -17,19 +17,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ddp_tricks.data.loaders import seed_epoch
+from ddp_tricks.data.loaders import batch_sizes, seed_epoch
 from ddp_tricks.distributed.collectives import (
     all_reduce_sum,
     any_rank,
     broadcast_buffers,
+    gather_rows,
     max_over_ranks,
     uneven_rows,
 )
 from ddp_tricks.distributed.wrap import accumulating, name_unused_parameters
 from ddp_tricks.plan import Step
 from ddp_tricks.training import noise, precise_bn
-from ddp_tricks.training.batches import detached, float_outputs, no_rows, samples_in, to_device
-from ddp_tricks.training.seam import report
+from ddp_tricks.training.batches import detached, float_outputs, no_rows, to_device
+from ddp_tricks.training.metric_states import report
 from ddp_tricks.training.state import Training, restore_rng
 
 
@@ -43,10 +44,10 @@ def forward(t: Training, model: nn.Module, inputs, targets):
 
 
 def batch_sums(t: Training, outputs, targets, loss: torch.Tensor, units) -> torch.Tensor:
-    """[loss x units, *the task's metric sums] on the device, in the widest dtype among them (float32 mostly: a
-    batch's sums are exact there); added into float64 running sums."""
+    """[loss x units, *the task's metric sums, each flattened] on the device, in the widest dtype among them
+    (float32 mostly: a batch's sums are exact there); added into float64 running sums."""
     sums = t.task.metric_sums(detached(outputs), targets) if t.sum_names else {}
-    return torch.stack([loss.detach() * units, *(sums[k] for k in t.sum_names)])  # one op: it promotes the dtypes
+    return torch.cat([(loss.detach() * units).reshape(1), *t.sums_layout.flat(sums)])  # one op: it promotes dtypes
 
 
 def units_tensor(units, device: torch.device) -> torch.Tensor:
@@ -61,30 +62,33 @@ def micro_batches(t: Training, step: Step, batches, units_of):
     """This rank's micro-batches of `step`, on the device, each as (inputs, targets, samples, units, weight):
     `weight` multiplies the micro-batch's mean loss so that the step's gradient is the mean over all its units.
 
-    Without the task's `units()`, a unit is a sample and the plan knows every weight ahead. With it, the step's
-    micro-batches are fetched first and one all-reduce (no host sync) sums their units over the ranks; every rank
-    takes part, also one with no micro-batch in a traced step."""
+    A micro-batch's samples are the plan's: the dataset items it was made of, whatever structure the batch has (a
+    list of dicts of boxes, labels concatenated over its sequences). Without the task's `units()`, a unit is a
+    sample and the plan knows every weight ahead. With it, the step's micro-batches are fetched first and one
+    all-reduce (no host sync) sums their units over the ranks (kept as `t.step_units`, the step's big batch for the
+    noise scale); every rank takes part, also one with no micro-batch in a traced step."""
     if units_of is None:
-        for _ in step.micro_batches:
+        for indices in step.micro_batches:
             inputs, targets = next(batches)
             inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-            samples = samples_in(targets, inputs)
+            samples = len(indices)
             yield inputs, targets, samples, samples, samples / step.divisor
         return
     fetched = []
-    for _ in step.micro_batches:
+    for indices in step.micro_batches:
         inputs, targets = next(batches)
         inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-        fetched.append((inputs, targets, units_tensor(units_of(inputs, targets), t.device)))
+        fetched.append((inputs, targets, len(indices), units_tensor(units_of(inputs, targets), t.device)))
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for *_, units in fetched:
         total += units
     total = all_reduce_sum(total.reshape(1))[0]
+    t.step_units = total
     t.empty_steps += total == 0  # a step with no unit anywhere: said at the next check (check_units)
     # DDP averages the ranks' gradients: a rank's share is its units over the mean units per rank
     scale = (t.world_size if t.reduction is None else 1) / total.clamp(min=1)
-    for inputs, targets, units in fetched:
-        yield inputs, targets, samples_in(targets, inputs), units, units * scale
+    for inputs, targets, samples, units in fetched:
+        yield inputs, targets, samples, units, units * scale
 
 
 def plain_accumulation(t: Training, step: Step, batches, units_of):
@@ -99,10 +103,11 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
             t.precision.backward(loss if whole else loss * weight, t.optimizer)
         if t.reduction is not None:
             t.reduction.after_backward(weight)
+        # the noise scale's batch sizes are counted in the units the loss averages over (samples by default)
         if t.noise_parts is not None:  # one process: each micro-batch's gradient is a small batch's
-            t.noise_parts.after_backward(weight, samples, t.precision.loss_scale())
+            t.noise_parts.after_backward(weight, units, t.precision.loss_scale())
         elif t.noise is not None and t.reduction is None:  # DDP: this rank's gradient is one, read by the hook
-            t.noise.add_local(weight, samples)
+            t.noise.add_local(weight, units)
         yield outputs, targets, loss, units, samples
     if t.noise_parts is not None:
         t.noise_parts.finish()
@@ -160,7 +165,7 @@ def train_one_epoch(
 
 def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, log_interval, after_step):
     t.model.train()
-    width = len(t.sum_names) + 1
+    width = t.sums_layout.width + 1
     resumed = t.resume_sums if first_step else None
     start_sums = torch.zeros(width + 2, dtype=torch.float64) if resumed is None else resumed.cpu()
     t.resume_sums = None
@@ -192,12 +197,13 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
                     running += row
                 t.epoch_units += units
                 t.epoch_samples += samples
+        big = step.batch if units_of is None else t.step_units  # the step's units over every rank
         if t.reduction is not None:  # a traced step: its gradients reduced (and its noise scale measured) here
-            gain = t.reduction.finish(step.batch, t.precision.loss_scale())
+            gain = t.reduction.finish(step.batch, t.precision.loss_scale(), units=big)
         else:
             gain = 1.0
             if t.noise is not None:
-                noise.measure(t.noise, t.noise_parts, params, step.batch, t.precision.loss_scale())
+                noise.measure(t.noise, t.noise_parts, params, big, t.precision.loss_scale())
         factor = step.lr_factor
         if t.adascale is not None:
             factor *= gain
@@ -239,7 +245,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     *total, units_all, samples_all, samples_now = reduced[:split]
     measured = noise.report(reduced[split:], t.world_size) if averages else {}
     return (
-        report(t.task, t.sum_names, "train", total, units_all)
+        report(t.task, t.sums_layout, "train", total, units_all)
         | measured
         | {
             "global_batch": samples_all / max(len(steps), 1),
@@ -280,36 +286,53 @@ def recompute_bn_stats(t: Training, loader, steps: list, samples: int, micro_bat
 
 @torch.no_grad()
 def evaluate(t: Training, loader) -> dict[str, float]:
-    """The task's loss and metrics over the validation set, each sample counted once across ranks (sums and
-    counts). Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward
-    would wait for the others. Where a forward or the task's loss talks to every rank, a rank with fewer batches
-    runs extra ones, uncounted, until every rank has run as many: a sharded model's forward gathers parameters (its
-    first batch again), and a loss over the global batch gathers rows (an empty batch through the model, the loss
-    and the metric sums, so that it adds no sample to the others' batches; the gathers exchange their row counts)."""
+    """The task's loss and metrics over the validation set, each sample counted once across ranks: its sums (and
+    units) all-reduced once, and the states that score() gives as rows (`gathered`) concatenated across ranks once,
+    at the end (an AUC's scores, a detector's detections; uneven counts padded for the gather and cut back). A task
+    with score() is evaluated by it alone, on the model's eval-mode outputs: no loss, no `val_loss`.
+
+    Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward would wait for
+    the others. Where a forward or the task's evaluation talks to every rank, a rank with fewer batches runs extra
+    ones, uncounted, until every rank has run as many: a sharded model's forward gathers parameters (its first batch
+    again), and an evaluation that gathers rows (gather_with_grad) runs an empty batch through the model and the
+    task's evaluation, so that it adds no sample to the others' batches; the gathers exchange their row counts."""
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
     model.eval()
     units_of = getattr(t.task, "units", None)
-    sums = torch.zeros(len(t.sum_names) + 2, dtype=torch.float64, device=t.device)
+    layout = t.scoring or t.sums_layout
+    sums = torch.zeros(layout.width + (t.scoring is None) + 1, dtype=torch.float64, device=t.device)
+    rows = {name: [] for name in layout.gathered}
     extra = max_over_ranks(len(loader), t.device) - len(loader) if t.sharded or t.global_loss else 0
     first = None
     with uneven_rows() if t.global_loss else contextlib.nullcontext():
-        for inputs, targets in loader:
+        for samples, (inputs, targets) in zip(batch_sizes(loader), loader):  # samples: the batch's dataset items
             inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-            first = (inputs, targets) if first is None else first
-            units = (
-                samples_in(targets, inputs) if units_of is None else units_tensor(units_of(inputs, targets), t.device)
-            )
-            outputs, loss = forward(t, model, inputs, targets)
-            sums[:-1] += batch_sums(t, outputs, targets, loss, units)
+            first = (inputs, targets, samples) if first is None else first
+            units = samples if units_of is None else units_tensor(units_of(inputs, targets), t.device)
+            sums[:-1] += validation_states(t, model, inputs, targets, units, rows)
             sums[-1] += units
         for _ in range(extra):  # every rank has a first batch: check_sizes gives each at least one sample
-            if t.global_loss:
-                inputs, targets = no_rows(first[0]), no_rows(first[1])
-                outputs, loss = forward(t, model, inputs, targets)
-                batch_sums(t, outputs, targets, loss, 0)  # the same collectives as a counted batch; discarded
+            if t.global_loss:  # the same collectives as a counted batch; discarded
+                validation_states(t, model, no_rows(first[0], first[2]), no_rows(first[1], first[2]), 0, None)
             else:
                 with t.precision.autocast():
                     model(first[0])
     *total, units = all_reduce_sum(sums).tolist()
-    return report(t.task, t.sum_names, "val", total, units)
+    gathered = {name: gather_rows(torch.cat(parts)) for name, parts in rows.items()}  # rank order: any order
+    return report(t.task, layout, "val", total, units, gathered, loss=t.scoring is None)
+
+
+def validation_states(t: Training, model: nn.Module, inputs, targets, units, rows: dict | None) -> torch.Tensor:
+    """A validation batch's summed states, flat: [loss x units, *metric sums], or, for a task with score(), score()'s
+    summed states (its gathered ones appended to `rows`, unless None)."""
+    if t.scoring is None:
+        outputs, loss = forward(t, model, inputs, targets)
+        return batch_sums(t, outputs, targets, loss, units)
+    with t.precision.autocast():
+        outputs = float_outputs(model(inputs))
+    states = t.task.score(outputs, targets)
+    for name, parts in (rows or {}).items():
+        parts.append(states[name])
+    flat = t.scoring.flat(states)
+    return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=t.device)

@@ -13,8 +13,11 @@ taken, as the paper does. |G_small|^2 is the mean over the step's small batches:
   samples;
 - in a traced run (--batch-trace), each micro-batch's gradient on every rank, its squared norm summed over the
   ranks in the step's one all-reduce (distributed/trace_reduction.py), so every rank's averages are the same.
-Everything stays on the device: no host sync in a step. The per-rank averages are linear in |G_small|^2, so the
-ranks' moving averages are averaged once, at the end of the epoch, inside the epoch's one all-reduce.
+The batch sizes are counted in the units the loss averages over: samples, or what the task's units() counts (tokens,
+labels), whose counts stay device tensors; Sigma is then the covariance of one unit's gradient, and the noise scale
+is in units. Everything stays on the device: no host sync in a step. The per-rank averages are linear in
+|G_small|^2, so the ranks' moving averages are averaged once, at the end of the epoch, inside the epoch's one
+all-reduce.
 """
 
 from __future__ import annotations
@@ -39,56 +42,71 @@ class NoiseScale:
         self.weight = torch.zeros((), **zeros)  # what the averages' weights sum to: their bias correction
         self.local_parts: torch.Tensor | None = None  # this rank's gradient's squared norms by parameter (DDP's hook)
         self.local_weight: float | torch.Tensor = 0.0  # what its micro-batches' mean losses were multiplied by, summed
-        self.local_samples = 0
+        self.local_size: int | torch.Tensor = 0  # their samples (or units)
+        self.local_count = 0  # and how many there were
         self._zero, self._one = torch.zeros((), **zeros), torch.ones((), **zeros)
         self._small_sum = self._zero  # this step's small batches' squared norms, summed
         self._small_count = 0
-        self._small_samples = 0
+        self._small_size: int | torch.Tensor = 0
         self._coefficients: dict[tuple, torch.Tensor] = {}
 
-    def small(self, sq_norm: torch.Tensor, samples: int, count: int = 1) -> None:
-        """One small batch's squared gradient norm (the gradient of its mean loss), and its samples; or `count`
-        small batches' squared norms summed, and their samples."""
+    def small(self, sq_norm: torch.Tensor, size: int | torch.Tensor, count: int = 1) -> None:
+        """One small batch's squared gradient norm (the gradient of its mean loss), and its size; or `count` small
+        batches' squared norms summed, and their sizes summed. A size is counted in the units the loss averages over:
+        samples (a number the plan knows), or the task's units() (a device tensor: read by no one on the host)."""
         self._small_sum = self._small_sum + sq_norm.to(torch.float64)
         self._small_count += count
-        self._small_samples += samples
+        self._small_size = self._small_size + size
 
-    def add_local(self, weight, samples: int) -> None:
-        """One micro-batch of this rank's step: its weight (its share of the step) and samples."""
+    def add_local(self, weight, size: int | torch.Tensor) -> None:
+        """One micro-batch of this rank's step: its weight (its share of the step) and size (samples or units)."""
         self.local_weight = self.local_weight + weight
-        self.local_samples += samples
+        self.local_size = self.local_size + size
+        self.local_count += 1
 
     def close_local(self, loss_scale) -> None:
         """This rank's gradient before the all-reduce (its buckets' squared norms) as the step's small batch: the
         gradient of its micro-batches' weighted losses, so divided by their summed weight (and the loss scale) it is
         the mean over its samples (its units, for a task with units())."""
-        if self.local_samples:
-            self.small(self.local_parts.sum() / (self.local_weight * loss_scale) ** 2, self.local_samples)
+        if self.local_count:
+            self.small(self.local_parts.sum() / (self.local_weight * loss_scale) ** 2, self.local_size)
         self.local_parts.zero_()
-        self.local_weight, self.local_samples = 0.0, 0
+        self.local_weight, self.local_size, self.local_count = 0.0, 0, 0
 
-    def big(self, sq_norm: torch.Tensor, samples: int) -> None:
-        """The step's squared gradient norm (the mean over all its `samples`): the step's estimates enter the
-        averages, unless one is not finite (an fp16 overflow). A step with no small batch smaller than itself
-        leaves them as they are."""
-        count, small_samples, small_sum = self._small_count, self._small_samples, self._small_sum
-        self._small_sum, self._small_count, self._small_samples = self._zero, 0, 0
-        if count == 0 or small_samples >= count * samples:
+    def big(self, sq_norm: torch.Tensor, size: int | torch.Tensor) -> None:
+        """The step's squared gradient norm (the mean over all its `size` samples, or units): the step's estimates
+        enter the averages, unless one is not finite (an fp16 overflow). A step with no small batch smaller than
+        itself leaves them as they are."""
+        count, small_size, small_sum = self._small_count, self._small_size, self._small_sum
+        self._small_sum, self._small_count, self._small_size = self._zero, 0, 0
+        if count == 0:
             return
-        # both estimates are linear in (sum of the small batches' |G_small|^2, |G_big|^2): one 2x2 product, its
-        # coefficients made once per (small batches, samples) on the device (no copy from the host per step)
-        key = (count, small_samples, samples)
-        coefficients = self._coefficients.get(key)
-        if coefficients is None:
-            b_small, b_big = small_samples / count, float(samples)
-            trace_of = [1 / count / (1 / b_small - 1 / b_big), -1 / (1 / b_small - 1 / b_big)]
-            grad_sq_of = [-b_small / count / (b_big - b_small), b_big / (b_big - b_small)]
-            coefficients = torch.tensor([trace_of, grad_sq_of], dtype=torch.float64, device=self.averages.device)
-            self._coefficients[key] = coefficients
-        estimates = coefficients @ torch.stack([small_sum, sq_norm.to(torch.float64)])
-        keep = torch.isfinite(estimates).all().to(torch.float64) * (
-            1 - self.beta
-        )  # 0 for a step left out (fp16 overflow): no sync
+        stacked = torch.stack([small_sum, sq_norm.to(torch.float64)])
+        if isinstance(small_size, torch.Tensor) or isinstance(size, torch.Tensor):  # units: on the device, no sync
+            b_small, b_big = (torch.as_tensor(v).to(self.averages.device, torch.float64) for v in (small_size, size))
+            b_small = b_small / count
+            inverse = 1 / b_small - 1 / b_big
+            trace_of = torch.stack([1 / count / inverse, -1 / inverse])
+            grad_sq_of = torch.stack([-b_small / count / (b_big - b_small), b_big / (b_big - b_small)])
+            estimates = torch.stack([trace_of, grad_sq_of]) @ stacked
+            smaller = (b_small < b_big).to(torch.float64)
+        else:
+            if small_size >= count * size:
+                return
+            # both estimates are linear in (sum of the small batches' |G_small|^2, |G_big|^2): one 2x2 product, its
+            # coefficients made once per (small batches, samples) on the device (no copy from the host per step)
+            key = (count, small_size, size)
+            coefficients = self._coefficients.get(key)
+            if coefficients is None:
+                b_small, b_big = small_size / count, float(size)
+                trace_of = [1 / count / (1 / b_small - 1 / b_big), -1 / (1 / b_small - 1 / b_big)]
+                grad_sq_of = [-b_small / count / (b_big - b_small), b_big / (b_big - b_small)]
+                coefficients = torch.tensor([trace_of, grad_sq_of], dtype=torch.float64, device=self.averages.device)
+                self._coefficients[key] = coefficients
+            estimates = coefficients @ stacked
+            smaller = self._one
+        # 0 for a step left out (fp16 overflow, or units that leave no small batch smaller): no sync
+        keep = torch.isfinite(estimates).all().to(torch.float64) * smaller * (1 - self.beta)
         self.averages.lerp_(torch.nan_to_num(estimates, nan=0.0, posinf=0.0, neginf=0.0), keep)
         self.weight.lerp_(self._one, keep)
 
@@ -96,11 +114,14 @@ class NoiseScale:
         """[tr(Sigma), |G|^2] on the device, bias-corrected (zeros before the first step)."""
         return self.averages / self.weight.clamp(min=1e-300)
 
-    def agreed_scale(self) -> float:
-        """The noise scale measured so far (nan before any step), rank 0's on every rank, so that every rank
-        decides alike (a broadcast and a host sync: at an epoch's start, never in a step)."""
-        trace, grad_sq = broadcast_floats(self.corrected())
-        return trace / grad_sq if grad_sq > 0 else float("nan")
+    def agreed_scale(self, units_per_sample: float = 1.0) -> float:
+        """The noise scale measured so far, in samples (nan before any step), rank 0's on every rank, so that every
+        rank decides alike (a broadcast and a host sync: at an epoch's start, never in a step). Measured in the task's
+        units, it is divided by `units_per_sample` (rank 0's last epoch's): a batch of b samples holds about that
+        many times b units."""
+        ratio = torch.full((1,), float(units_per_sample), dtype=torch.float64, device=self.averages.device)
+        trace, grad_sq, ratio = broadcast_floats(torch.cat([self.corrected(), ratio]))
+        return trace / grad_sq / ratio if grad_sq > 0 and ratio > 0 else float("nan")
 
     def packed(self) -> torch.Tensor:
         """[averages, weight]: what a checkpoint keeps, one row per rank."""
@@ -155,13 +176,14 @@ class MicroBatches:
         self.params = params
         self._sums: list[torch.Tensor] | None = None
 
-    def after_backward(self, weight, samples: int, scale) -> None:
-        """After a micro-batch's backward: `weight` multiplied its mean loss, `scale` the loss (fp16's, or 1). A
-        parameter no micro-batch gave a gradient keeps None (an optimizer then leaves it as it is)."""
+    def after_backward(self, weight, size, scale) -> None:
+        """After a micro-batch's backward: `weight` multiplied its mean loss, `scale` the loss (fp16's, or 1), `size`:
+        its samples, or units. A parameter no micro-batch gave a gradient keeps None (an optimizer then leaves it as
+        it is)."""
         grads = [p.grad for p in self.params]
         present = [g for g in grads if g is not None]
         if present:
-            self.noise.small(squared_norm(present) / (weight * scale) ** 2, samples)
+            self.noise.small(squared_norm(present) / (weight * scale) ** 2, size)
         if self._sums is None:
             self._sums = grads
         else:
@@ -180,9 +202,9 @@ class MicroBatches:
         self._sums = None
 
 
-def measure(noise: NoiseScale, parts: MicroBatches | None, params, batch: int, loss_scale) -> None:
+def measure(noise: NoiseScale, parts: MicroBatches | None, params, batch, loss_scale) -> None:
     """The end of a step's backward passes: its small batches (this rank's gradient, or the micro-batches, already
-    in) and its gradient over `batch` samples, into the averages."""
+    in) and its gradient over `batch` samples (or units: a device tensor), into the averages."""
     if parts is None:
         noise.close_local(loss_scale)
     grads = [p.grad for p in params if p.grad is not None]

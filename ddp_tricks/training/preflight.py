@@ -1,19 +1,21 @@
 """The start-up checks, in one call, before any process group: the task's pieces on a few training samples
 (seam.py's checks), what this run's choices cannot do with them, and one small record of what was found, which
-everything after takes (metric names, sparse parameters, FSDP units, whether the loss gathers from every rank, the
-accumulation, whether and why not the gradient noise scale is measured). A mistake here is one line on every rank.
+everything after takes (the metric sums and how the evaluation is scored, sparse parameters, FSDP units, whether the
+loss gathers from every rank, the accumulation, whether and why not the gradient noise scale is measured). A mistake
+here is one line on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, seam
+from ddp_tricks.training.metric_states import Layout
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class Findings:
     global_loss: bool = False  # the task's loss gathers from every rank (gather_with_grad)
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient (None: loop.py's plain one)
     no_noise_scale: str | None = None  # why the gradient noise scale is not measured (None: it is)
+    sum_shapes: dict = field(default_factory=dict)  # the metric sums that are not scalars: {name: shape}
+    scoring: Layout | None = None  # the task's score() states (summed and gathered), which evaluate it (None: its loss)
+    own_units: bool = False  # the task counts units of its own (units()): the noise scale's batch sizes are in them
 
     @property
     def measures_noise(self) -> bool:
@@ -51,7 +56,7 @@ class Findings:
         """What the run's log says about them at its start."""
         notes = []
         if self.measures_noise:
-            notes.append(auto_batch.describe(plan))
+            notes.append(auto_batch.describe(plan, self.own_units))
         elif noise_flag:
             notes.append(f"gradient noise scale: not measured: {self.no_noise_scale}")
         if self.global_loss and plan.accum_steps > 1 and self.accumulation is None:
@@ -71,7 +76,8 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
     mistakes come next), then the task against the plan. The plan and the record of what was found. Also
     initialises lazy modules (the first forward)."""
     collate = getattr(task, "collate", None)
-    sum_names = seam.check_task(task, model, dataset, collate)
+    sums = seam.check_task(task, model, dataset, collate)
+    scoring = seam.check_scoring(task, model, dataset, collate)
     if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not setup.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
@@ -89,4 +95,15 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
         )
     if plan.auto:
         auto_batch.refuse_auto_without(no_noise_scale)
-    return plan, Findings(sum_names, collate, tuple(sparse), tuple(units), global_loss, accumulation, no_noise_scale)
+    return plan, Findings(
+        sums.names,
+        collate,
+        tuple(sparse),
+        tuple(units),
+        global_loss,
+        accumulation,
+        no_noise_scale,
+        sums.shapes,
+        scoring,
+        hasattr(task, "units"),
+    )

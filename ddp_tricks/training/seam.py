@@ -1,9 +1,10 @@
 """The task as the loop calls it (task.py's seam): the pre-flight checks of a task (its pieces on a few training
-samples, BatchNorm against one-sample micro-batches, a loss over the global batch), and the reported metrics from
-sums over a whole set.
+samples, how its evaluation is scored, BatchNorm against one-sample micro-batches, a loss over the global batch).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -11,47 +12,59 @@ from torch import nn
 from ddp_tricks.data.loaders import batch_of
 from ddp_tricks.distributed.collectives import gather_calls
 from ddp_tricks.errors import UserError
-from ddp_tricks.training.batches import describe, float_outputs, no_rows, samples_in
+from ddp_tricks.training.batches import describe, float_outputs, no_rows
+from ddp_tricks.training.metric_states import Layout, report
+
+CHECKED = 4  # the training samples every check runs on
 
 
-def report(task, sum_names: list[str], prefix: str, values: list[float], count: float) -> dict[str, float]:
-    """`{prefix}_loss` and `{prefix}_<metric>` from a set's sums: [loss x units, *metric sums] over `count`, the
-    set's units (samples unless the task counts others)."""
-    count = max(count, 1.0)  # an epoch with no step left (resumed at its very end) has no units
-    sums = dict(zip(sum_names, values[1:]))
-    metrics = task.metrics(sums, count) if hasattr(task, "metrics") else {k: v / count for k, v in sums.items()}
-    return {f"{prefix}_loss": values[0] / count} | {f"{prefix}_{k}": float(v) for k, v in metrics.items()}
-
-
-def check_task(task, model: nn.Module, dataset, collate=None) -> list[str]:
-    """One forward pass, loss, units and metric sums on four training samples, batched as the loader batches them,
-    before any process group: initialises lazy modules, and turns a task whose pieces do not fit together into one
-    line. An error inside the model itself is the task's own and keeps its traceback. Returns the metric-sum names.
-    """
-    inputs, targets = batch_of(dataset, list(range(min(4, len(dataset)))), collate)
-    shown = f"shape {tuple(inputs.shape)}" if isinstance(inputs, torch.Tensor) else describe(inputs)
+@contextlib.contextmanager
+def as_loss_sees_it(task, model: nn.Module):
+    """The model as the task's loss() sees its outputs, changing nothing: in eval mode (no BatchNorm statistics
+    change), or, for a task that scores its evaluation itself (score(): its eval-mode outputs are predictions, such
+    as a detector's boxes, not what loss() takes), in training mode with the random state and every buffer put
+    back after."""
     training = model.training
-    model.eval()  # no BatchNorm statistics change
-    misfit = f"the task's model output (on inputs of {shown}) does not fit its"
+    buffers = [b.detach().clone() for b in model.buffers()] if hasattr(task, "score") else None
     try:
-        with torch.no_grad():
-            outputs = float_outputs(model(inputs))
-            loss = _call(task.loss, outputs, targets, f"{misfit} loss", "make model() return what loss() expects")
-            sums = {}
-            if hasattr(task, "metric_sums"):
-                fix = "make metric_sums() read what model() returns"
-                sums = _call(task.metric_sums, outputs, targets, f"{misfit} metric_sums()", fix)
-            units = samples_in(targets, inputs)
-            if hasattr(task, "units"):
-                fix = "make it count the batch's units (tokens, pixels)"
-                units = _call(task.units, inputs, targets, "the task's units() fails on a batch", fix)
+        with torch.random.fork_rng(devices=[]) if buffers is not None else contextlib.nullcontext():
+            model.train(buffers is not None)
+            yield
     finally:
         model.train(training)
+        if buffers is not None:
+            with torch.no_grad():
+                for buffer, saved in zip(model.buffers(), buffers):
+                    buffer.copy_(saved)
+
+
+def check_task(task, model: nn.Module, dataset, collate=None) -> Layout:
+    """One forward pass, loss, units and metric sums on four training samples, batched as the loader batches them,
+    before any process group: initialises lazy modules, and turns a task whose pieces do not fit together into one
+    line. An error inside the model itself is the task's own and keeps its traceback. Returns the metric sums'
+    layout (their names, in order, and shapes)."""
+    indices = list(range(min(CHECKED, len(dataset))))
+    inputs, targets = batch_of(dataset, indices, collate)
+    shown = f"shape {tuple(inputs.shape)}" if isinstance(inputs, torch.Tensor) else describe(inputs)
+    misfit = f"the task's model output (on inputs of {shown}) does not fit its"
+    with torch.no_grad(), as_loss_sees_it(task, model):
+        outputs = float_outputs(model(inputs))
+        loss = _call(task.loss, outputs, targets, f"{misfit} loss", "make model() return what loss() expects")
+        sums = {}
+        if hasattr(task, "metric_sums"):
+            fix = "make metric_sums() read what model() returns"
+            sums = _call(task.metric_sums, outputs, targets, f"{misfit} metric_sums()", fix)
+        units = len(indices)
+        if hasattr(task, "units"):
+            fix = "make it count the batch's units (tokens, pixels)"
+            units = _call(task.units, inputs, targets, "the task's units() fails on a batch", fix)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise UserError("the task's loss() must return the batch mean as a scalar tensor, e.g. F.mse_loss(...)")
-    shaped = [k for k, v in sums.items() if not isinstance(v, torch.Tensor) or v.dim() != 0]
-    if shaped:
-        raise UserError(f"the task's metric_sums() must give scalar tensors (batch sums); {shaped[0]!r} is not")
+    if not isinstance(sums, dict) or any(not isinstance(v, torch.Tensor) for v in sums.values()):
+        raise UserError(
+            f"the task's metric_sums() must give a dict of tensors (batch sums: a scalar, or a per-class count, of "
+            f"one shape in every batch), not {describe(sums)}"
+        )
     if not isinstance(units, (int, float, torch.Tensor)) or isinstance(units, torch.Tensor) and units.numel() != 1:
         raise UserError(f"the task's units() must give the batch's count of units as one number, not {describe(units)}")
     if not 0 <= float(units) < float("inf"):
@@ -64,38 +77,92 @@ def check_task(task, model: nn.Module, dataset, collate=None) -> list[str]:
     modes = getattr(task, "better", {})
     if any(mode not in ("min", "max") for mode in modes.values()):
         raise UserError(f"the task's `better` must map each metric to 'min' or 'max', got {modes}")
-    values = [float(loss) * float(units), *(float(v) for v in sums.values())]
+    layout = Layout.of_states(sums)
+    values = [float(loss) * float(units), *(float(v) for part in layout.flat(sums) for v in part.tolist())]
     try:  # the names metrics() reports, from these samples' sums (a degenerate sample may not compute: no check)
-        reported = set(report(task, list(sums), "", values, float(units))) - {"_loss"}
-    except ArithmeticError:
+        reported = set(report(task, layout, "", values, float(units))) - {"_loss"}
+    except (ArithmeticError, ValueError):
         reported = None
-    declared = {f"_{name}" for name in getattr(task, "better", {})}
-    if reported is not None and reported != declared:
+    declared = {f"_{name}" for name in modes}
+    scored = hasattr(task, "score")
+    if reported is not None and (reported > declared if scored else reported != declared):
         raise UserError(
             f"the task reports metrics {sorted(m[1:] for m in reported)} but its `better` names "
             f"{sorted(m[1:] for m in declared)}: give each reported metric 'min' or 'max' in `better`"
         )
-    return list(sums)
+    return layout
+
+
+def check_scoring(task, model: nn.Module, dataset, collate=None) -> Layout | None:
+    """A task that scores its evaluation itself (`score(outputs, targets)`: a validation batch's metric states from
+    the model's eval-mode outputs, no loss): score() on the check batch, in eval mode, before any process group.
+    Returns the states' layout (the summed ones' shapes, the gathered ones' names), or None for a task without
+    score(), whose evaluation is its loss and metric sums."""
+    gathered = tuple(getattr(task, "gathered", ()))
+    if not hasattr(task, "score"):
+        if gathered:
+            raise UserError(
+                f"the task's `gathered` names {list(gathered)}, states of score(), which it does not have: add "
+                "score(outputs, targets) giving them (rows of each validation batch), or drop `gathered`"
+            )
+        return None
+    indices = list(range(min(CHECKED, len(dataset))))
+    inputs, targets = batch_of(dataset, indices, collate)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = float_outputs(model(inputs))
+            fix = "make score() read what model() returns in eval mode"
+            problem = "the task's score() fails on the model's eval-mode outputs"
+            states = _call(task.score, outputs, targets, problem, fix)
+    finally:
+        model.train(training)
+    if not isinstance(states, dict) or any(not isinstance(v, torch.Tensor) for v in states.values()):
+        raise UserError(
+            f"the task's score() must give a dict of tensors (sums, and the rows `gathered` names), not "
+            f"{describe(states)}"
+        )
+    missing = [name for name in gathered if name not in states]
+    if missing:
+        raise UserError(f"the task's `gathered` names {missing}, which score() does not give: it gives {list(states)}")
+    flat = [name for name in gathered if states[name].dim() == 0]
+    if flat:
+        raise UserError(
+            f"the task's score() gives {flat[0]!r}, which `gathered` names, as a scalar: gathered states are rows "
+            "(a first dimension, concatenated over the whole validation set), e.g. the batch's scores"
+        )
+    layout = Layout.of_states(states, gathered)
+    values = [float(v) for part in layout.flat(states) for v in part.tolist()]
+    rows = {name: states[name] for name in gathered}
+    declared = {f"_{name}" for name in getattr(task, "better", {})}
+    try:  # a few samples may not compute (one class only for an AUC): no check then
+        reported = set(report(task, layout, "", values, float(len(indices)), rows, loss=False))
+    except (ArithmeticError, ValueError):
+        reported = None
+    if reported is not None and reported != declared:
+        raise UserError(
+            f"the task's evaluation (score() and metrics()) reports {sorted(m[1:] for m in reported)} but its "
+            f"`better` names {sorted(m[1:] for m in declared)}: give each reported metric 'min' or 'max' in `better`"
+        )
+    return layout
 
 
 def sparse_parameters(task, model: nn.Module, dataset, collate=None) -> list[str]:
     """The names of the parameters that get sparse gradients (nn.Embedding(sparse=True), F.embedding(...,
-    sparse=True)), from one backward of the task's loss on check_task's four training samples, in eval mode,
-    before any process group; every gradient is cleared after."""
+    sparse=True)), from one backward of the task's loss on check_task's four training samples (the model as the loss
+    sees it: as_loss_sees_it), before any process group; every gradient is cleared after."""
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not params:
         return []
-    inputs, targets = batch_of(dataset, list(range(min(4, len(dataset)))), collate)
-    training = model.training
-    model.eval()
+    inputs, targets = batch_of(dataset, list(range(min(CHECKED, len(dataset)))), collate)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), as_loss_sees_it(task, model):
             loss = task.loss(float_outputs(model(inputs)), targets)
-        if loss.requires_grad:
-            loss.backward()
+            if loss.requires_grad:
+                loss.backward()
         return [name for name, p in params if p.grad is not None and p.grad.is_sparse]
     finally:
-        model.train(training)
         for _, p in params:
             p.grad = None
 
@@ -205,20 +272,26 @@ def check_unused_parameters(task, model: nn.Module, dataset, collate=None) -> No
 
 
 def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: bool = False) -> bool:
-    """Whether the task's loss or metric sums gather from every rank (call gather_with_grad), found on the check
-    batch before any process group (where the gather is the identity). Such a task must also take a batch of no
-    sample, which a rank with fewer validation batches runs while the others finish theirs; a traced run, whose ranks
-    run different numbers of micro-batches, would leave a gather waiting. Either is one line here."""
-    inputs, targets = batch_of(dataset, list(range(min(4, len(dataset)))), collate)
+    """Whether the task's loss, metric sums or score() gather from every rank (call gather_with_grad), found on the
+    check batch before any process group (where the gather is the identity). Such a task must also take a batch of
+    no sample, which a rank with fewer validation batches runs through its evaluation (the model in eval mode, then
+    score(), or loss() and metric_sums()) while the others finish theirs; a traced run, whose ranks run different
+    numbers of micro-batches, would leave a gather waiting. Either is one line here."""
+    indices = list(range(min(CHECKED, len(dataset))))
+    inputs, targets = batch_of(dataset, indices, collate)
     before = gather_calls()
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
+    scored = hasattr(task, "score")
+    with torch.no_grad():
+        with as_loss_sees_it(task, model):
             outputs = float_outputs(model(inputs))
             task.loss(outputs, targets)
             if hasattr(task, "metric_sums"):
                 task.metric_sums(outputs, targets)
+        training = model.training
+        model.eval()
+        try:
+            if scored:
+                task.score(float_outputs(model(inputs)), targets)
             if gather_calls() == before:
                 return False
             if traced:
@@ -227,16 +300,20 @@ def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: boo
                     "ranks different numbers of micro-batches, so a gather would wait for a rank that never comes: "
                     "drop --batch-trace"
                 )
-            empty_inputs, empty_targets = no_rows(inputs), no_rows(targets)
-            fix = "make the model, loss() and metric_sums() take a batch of 0 samples (a mean over none is NaN: fine)"
-            why = "the task's loss gathers from every rank, so a rank with fewer validation batches runs"
+            empty_inputs, empty_targets = no_rows(inputs, len(indices)), no_rows(targets, len(indices))
+            pieces = "score()" if scored else "loss() and metric_sums()"
+            fix = f"make the model and {pieces} take a batch of 0 samples (a mean over none is NaN: fine)"
+            why = "the task's evaluation gathers from every rank, so a rank with fewer validation batches runs"
             problem = f"{why} an empty batch through its model, which fails"
             outputs = _call(lambda x, _: model(x), empty_inputs, None, problem, fix)
             outputs = float_outputs(outputs)
+            if scored:
+                _call(task.score, outputs, empty_targets, f"{why} an empty batch through its score(), which fails", fix)
+                return True
             _call(task.loss, outputs, empty_targets, f"{why} an empty batch through its loss(), which fails", fix)
             if hasattr(task, "metric_sums"):
                 problem = f"{why} an empty batch through its metric_sums(), which fails"
                 _call(task.metric_sums, outputs, empty_targets, problem, fix)
-    finally:
-        model.train(training)
+        finally:
+            model.train(training)
     return True

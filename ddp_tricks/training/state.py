@@ -4,6 +4,7 @@ far and early stopping, in one object whose `state_dict()` / `load_state_dict()`
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from ddp_tricks.errors import UserError
 from ddp_tricks.schedules.schedule import Schedule
 from ddp_tricks.shards import local
 from ddp_tricks.storage import sharded
+from ddp_tricks.training.metric_states import Layout
 from ddp_tricks.training.noise import MicroBatches, NoiseScale
 from ddp_tricks.training.precision import Precision
 
@@ -83,6 +85,8 @@ class Training:
     global_loss: bool = False  # the task's loss gathers from every rank: evaluation keeps the ranks in step
     noise: NoiseScale | None = None  # the gradient noise scale's moving averages (None: not measured)
     noise_parts: MicroBatches | None = None  # one process: the micro-batches are its small batches (else the ranks)
+    sum_shapes: dict = field(default_factory=dict)  # the metric sums that are not scalars: {name: shape}
+    scoring: Layout | None = None  # the states of the task's score(), which evaluates in place of loss and sums
     best: Best | None = None  # the monitored metric's best so far (None: not followed)
     early_stopping: EarlyStopping | None = None
     rank: int = 0
@@ -96,6 +100,7 @@ class Training:
     epoch_units: float | torch.Tensor = field(init=False, default=0.0)  # this rank's units (samples, tokens) in them
     epoch_samples: int = field(init=False, default=0)  # and its samples
     empty_steps: int | torch.Tensor = field(init=False, default=0)  # steps whose units were 0 on every rank
+    step_units: torch.Tensor | None = field(init=False, default=None)  # the step's units over every rank (units())
     resume_sums: torch.Tensor | None = field(init=False, default=None)  # a checkpoint's, to continue its epoch
     resume_rng: dict | None = field(init=False, default=None)  # this rank's RNG of a mid-epoch checkpoint
     lr_log: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
@@ -105,6 +110,11 @@ class Training:
         """The model without torch.compile's and DDP's wrappers: what checkpoints hold and evaluation runs."""
         model = getattr(self.model, "_orig_mod", self.model)
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    @functools.cached_property
+    def sums_layout(self) -> Layout:
+        """The task's metric sums, in the order the running sums hold them (after the loss), with their shapes."""
+        return Layout.scalars(self.sum_names, self.sum_shapes)
 
     @property
     def adascale(self):
@@ -116,6 +126,12 @@ class Training:
     def sharded(self) -> bool:
         """--strategy fsdp: every forward gathers parameters from every rank, so all ranks run as many."""
         return is_sharded(self.model)
+
+    @property
+    def units_per_sample(self) -> float:
+        """This rank's units per sample in the epoch so far (the last one, at an epoch's start): 1 for a task that
+        counts samples (a host read of a device count otherwise: never in a step)."""
+        return float(self.epoch_units) / self.epoch_samples if self.epoch_samples else 1.0
 
     @property
     def lr(self) -> float:
