@@ -276,27 +276,36 @@ def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(tmp_path):
 
 
 WRITER = """
-import sys, torch
-sys.path.insert(0, {repo!r})
+import sys, io, torch
+sys.path[:0] = [{repo!r}, {tests!r}]
+from killed_writes import kill_torch_save_after
 from ddp_tricks.storage import checkpoint
-big = {{"model": {{"w": torch.randn(4_000_000)}}, "epoch": 0}}
-n = 0
-while True:
-    n += 1
-    big["epoch"] = n
-    checkpoint.save(big, {path!r})
+state = {{"model": {{"w": torch.arange(1_000_000, dtype=torch.float32)}}, "epoch": 1}}
+whole = io.BytesIO()
+torch.save(state, whole)
+limit = max(1, int({fraction} * len(whole.getvalue())))
+print(limit, flush=True)  # the byte it dies at
+kill_torch_save_after(limit)
+checkpoint.save(state, {path!r})
+print("saved", flush=True)
 """
 
 
 def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    """A writer that SIGKILLs itself in the middle of saving a checkpoint over the previous one (early, half way,
+    near the end: killed_writes.py): what it wrote is left in a temporary file, exactly that many bytes, and the
+    previous checkpoint loads whole. Broken on purpose: torch.save straight to the target (files.py) leaves a torn
+    last.pt and no temporary file."""
     path = tmp_path / "last.pt"
     checkpoint.save({"model": {"w": torch.zeros(3)}, "epoch": 0}, path)
-    for delay in (0.3, 0.55, 0.8):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=str(REPO), path=str(path))])
-        time.sleep(delay)
-        writer.kill()
-        writer.wait(timeout=30)
+    for fraction in (0.0001, 0.5, 0.99):
+        before = set(tmp_path.iterdir())
+        script = WRITER.format(repo=str(REPO), tests=str(REPO / "tests"), fraction=fraction, path=str(path))
+        writer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert writer.returncode == -signal.SIGKILL, writer.stderr[-3000:]
+        limit = int(writer.stdout.split()[0])
+        assert "saved" not in writer.stdout
         state = checkpoint.load(path)  # never a torn file
-        assert state["epoch"] >= 0
-    leftovers = [p for p in tmp_path.iterdir() if p.name != "last.pt"]
-    assert len(leftovers) <= 3  # at most the temporary files of the killed writes, never the checkpoint
+        assert state["epoch"] == 0 and torch.equal(state["model"]["w"], torch.zeros(3))
+        left = set(tmp_path.iterdir()) - before  # the killed write's temporary file, half-written
+        assert [p.stat().st_size for p in left] == [limit], (limit, left)
