@@ -163,6 +163,8 @@ def run(flags, task, process: launch.Launch) -> int:
         cli.describe_lr(flags, plan.lr),
         plan.steps_per_epoch,
     )
+    if state is not None and trains:
+        log.info(t.describe_resume(resume_from))
     if plan.relayout:
         log.info("resumed: %s", plan.relayout)
     if no_noise_scale is None:
@@ -234,6 +236,7 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
         if result is None:
             where = f"epoch {epoch}, step {t.global_step}"
             log.info("preempted at %s: %s written; continue with --resume auto", where, checkpoint.LAST[flags.strategy])
+            log.info(t.describe_steps())
             return PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
         row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | loop.evaluate(t, val_loader)
@@ -257,10 +260,12 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
         if preemption.agreed(final=True) and epoch < flags.epochs:
             last = checkpoint.LAST[flags.strategy]
             log.info("preempted after epoch %d: %s written; continue with --resume auto", epoch, last)
+            log.info(t.describe_steps())
             return PREEMPTED
 
     if t.rank == 0:
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
+    log.info(t.describe_steps())
     best = t.best
     others = ", ".join(f"{k} {v:.4f}" for k, v in best.val.items() if k != best.metric)
     log.info("best %s %.4f at epoch %d (%s); run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
