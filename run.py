@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
         return watchdog.leave(1)
     finally:
-        launch.cleanup()
+        launch.cleanup(ending=__name__ == "__main__")  # as a script, the process ends next: SIGTERM stays held
 
 
 def run(flags, task, process: launch.Launch) -> int:
