@@ -16,9 +16,13 @@ from __future__ import annotations
 import sys
 
 from ddp_tricks import cli
+from ddp_tricks.distributed import watchdog
 
 if __name__ == "__main__":
-    cli.answer_early(sys.argv[1:])  # --help and flag errors answer before torch is imported
+    # SIGTERM held from the start (no torch yet): a launcher that sees one worker end sends the others SIGTERM, which
+    # must not kill the rank that is to say a mistake every rank finds (rank 0, which may be the last to find it)
+    watchdog.hold_sigterm()
+    cli.answer_early(sys.argv[1:], watchdog.linger)  # --help and flag errors answer before torch is imported
 
 import logging
 import os
@@ -31,7 +35,7 @@ from customized_function import EarlyStopping, same_seeds, use_deterministic_alg
 from ddp_tricks import models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, fsdp, launch, watchdog, wrap
+from ddp_tricks.distributed import collectives, fsdp, launch, wrap
 from ddp_tricks.distributed.preemption import Preemption
 from ddp_tricks.errors import UserError, report
 from ddp_tricks.optim import build as optimizers
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         # the same check: rank 0 says it, unless only this rank is concerned
         if first if watchdog.active() else process.rank == 0 or error.rank_specific:
             report(str(error) if process.rank == 0 else f"on rank {process.rank}: {error}")
+        elif not watchdog.active():
+            watchdog.linger()  # rank 0 says it: this rank's end must not have the launcher stop rank 0 first
         return watchdog.leave(2)
     except BaseException as error:  # a bug: the first rank that fails shows its traceback, the others end quietly
         if not watchdog.active():

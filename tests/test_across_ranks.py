@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from multiproc import Job, free_port, full_state, launch, preempted, run_ranks
+from multiproc import RUN_PY, Job, free_port, full_state, launch, preempted, run_ranks
 from torch import nn
 
 import run
@@ -318,6 +318,30 @@ def test_the_control_group_waits_as_long_as_dist_timeout(world_size):
     timeout: gloo's default of 30 minutes (1800 s)."""
     for timeouts in run_ranks(_joined_timeouts, world_size, free_port(), timeout=60):
         assert timeouts == (7.0, 7.0)
+
+
+SLOW_START = """
+import os, runpy, sys, time
+if os.environ["RANK"] == "0":  # a slow start (a loaded machine, a fresh interpreter): SIGTERM not held yet
+    time.sleep(2)
+sys.argv[0] = {run_py!r}
+runpy.run_path({run_py!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_mistake_every_rank_finds_is_said_though_rank_0_starts_after_the_others_have_failed(tmp_path):
+    """Rank 0 starts 2 s late, before run.py holds SIGTERM; rank 1 finds the mistake meanwhile. Rank 1 lingers
+    (watchdog.linger) until rank 0 has said it and ended, and the launcher's SIGTERM then ends rank 1. Broken on
+    purpose (no linger): rank 1 ends at once, the launcher's SIGTERM kills rank 0 while it starts: [-15, 2], no line."""
+    (tmp_path / "slow_start.py").write_text(SLOW_START.format(run_py=str(RUN_PY)))
+    args = ["--task", "tests/rank_tasks.py:MistakeBeforeTheGroup", "--no-progress", "--runs-dir", str(tmp_path)]
+    with Job(args, script=tmp_path / "slow_start.py") as job:
+        _, err = job.communicate(timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert job.exitcodes == [2, 2], (job.exitcodes, err[-3000:])
+    assert errors == ["error: the task's data is wrong (a test's own mistake)"], err[-3000:]
 
 
 HELD = """

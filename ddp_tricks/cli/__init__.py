@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ddp_tricks import optim
@@ -99,12 +100,15 @@ def describe_lr(flags: argparse.Namespace, lr: float) -> str:
     return f"learning rate {lr:.6g} (--base-lr {flags.base_lr:g}, the default for {whose}, with {scaling})"
 
 
-def answer_early(argv: list[str]) -> None:
+def answer_early(argv: list[str], linger: Callable[[], None] | None = None) -> None:
     """`run.py --help` and flag mistakes, answered before torch is imported: help exits 0 (argparse), a mistake
-    prints one line (on rank 0 only: every rank parses the same flags) and exits 2."""
+    prints one line (on rank 0 only: every rank parses the same flags) and exits 2; another rank first calls
+    `linger` (run.py: watchdog.linger, which leaves rank 0 time to say it)."""
     try:
         parse(argv)
     except UserError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             report(str(error))
+        elif linger is not None:
+            linger()
         sys.exit(2)

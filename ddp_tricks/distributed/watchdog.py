@@ -144,6 +144,16 @@ def _hold(signum, frame) -> None:
         timer.start()
 
 
+def linger(seconds: float = HOLD) -> None:
+    """A rank other than 0 that fails a check every rank makes, before the process group: rank 0 is the one to say
+    it, and may find it later (a loaded machine). Wait up to `seconds` before ending, or until a SIGTERM comes (held:
+    the launcher stops this rank because another has ended, rank 0 having said it), so that this rank's own end does
+    not bring the launcher's SIGTERM to rank 0 before it has."""
+    deadline = time.monotonic() + seconds
+    while not _held and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def joining() -> None:
     """Before joining the process group: a SIGTERM held until now ends this process here (143: its job is being
     stopped, and the others are leaving); else SIGTERM gets its own handler back."""
