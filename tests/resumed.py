@@ -46,7 +46,7 @@ def assert_resumed(output: str, saved: dict | str | Path, total_steps: int) -> N
     """`output` (a resumed process's stdout, or its train.log) says it resumed from the checkpoint `saved` (its
     state, read BEFORE the resume overwrote it, or a copy's path): its first step is the checkpoint's (epoch, step in
     the epoch, global step), and it took `total_steps` minus the checkpoint's global step optimizer steps, ending at
-    global step `total_steps`."""
+    global step `total_steps` (the run's total; for a resumed run stopped again, the step its next checkpoint says)."""
     state = saved_state(saved)
     resumed = list(RESUMED.finditer(output))
     assert len(resumed) == 1, f"not one 'resumed from' line in the output:\n{output[-3000:]}"
