@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from multiproc import RUN_PY, Job, free_port, full_state, launch, preempted, run_ranks
+from resumed import assert_resumed, final_step, saved_state
 from torch import nn
 
 import run
@@ -438,8 +439,10 @@ def test_a_tied_language_model_under_fsdp_equals_ddp_resumes_bit_identically_and
     out, err = preempted([*LM, *runs, "-n", "pre", "--strategy", "fsdp", "--checkpoint-every-steps", "3"],
                          tmp_path / "pre" / "last.dcp")  # fmt: skip
     assert "preempted" in out, (out + err)[-3000:]
+    saved = saved_state(tmp_path / "pre" / "last.dcp")  # before the resume replaces it
     resumed = launch([*LM, *runs, "-n", "pre", "--strategy", "fsdp", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, saved, final_step(tmp_path / "full"))
     assert (tmp_path / "pre" / "metrics.csv").read_text().count("\n") == 3
 
     whole = torch.load(tmp_path / "ddp" / "last.pt", weights_only=True)["model"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import full_state, launch, preempted, run_ranks, torchrun
+from resumed import assert_resumed, final_step, saved_state
 from torch import nn
 
 import run
@@ -204,8 +205,10 @@ def test_sigterm_and_resume_under_fsdp_are_bit_identical(sharded_run, tmp_path):
     argv = [*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--checkpoint-every-steps", "10"]
     out, err = preempted(argv, tmp_path / "pre" / "last.dcp")
     assert "preempted" in out, (out + err)[-3000:]
+    saved = saved_state(tmp_path / "pre" / "last.dcp")  # before the resume replaces it
     resumed = launch([*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, saved, final_step(sharded_run))
     assert _rows(tmp_path / "pre") == _rows(sharded_run)
     a = torch.load(tmp_path / "pre" / "best.pt", weights_only=True)["model"]
     b = torch.load(sharded_run / "best.pt", weights_only=True)["model"]
