@@ -16,13 +16,9 @@ from __future__ import annotations
 import sys
 
 from ddp_tricks import cli
-from ddp_tricks.distributed import watchdog
 
 if __name__ == "__main__":
-    # SIGTERM held from the start (no torch yet): a launcher that sees one worker end sends the others SIGTERM, which
-    # must not kill the rank that is to say a mistake every rank finds (rank 0, which may be the last to find it)
-    watchdog.hold_sigterm()
-    cli.answer_early(sys.argv[1:], watchdog.linger)  # --help and flag errors answer before torch is imported
+    cli.answer_early(sys.argv[1:])  # --help and flag errors answer before torch is imported; SIGTERM held from here
 
 import logging
 import os
@@ -35,7 +31,7 @@ from customized_function import EarlyStopping, same_seeds, use_deterministic_alg
 from ddp_tricks import models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, fsdp, launch, wrap
+from ddp_tricks.distributed import collectives, fsdp, launch, watchdog, wrap
 from ddp_tricks.distributed.preemption import Preemption
 from ddp_tricks.errors import UserError, report
 from ddp_tricks.optim import build as optimizers
@@ -76,11 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         error = cli.blame(error)  # a value from --config FILE: the message names the file and the key
         # with a process group, the job's first failure says it (on whichever rank); before one, every rank fails
         # the same check: rank 0 says it, unless only this rank is concerned
-        if first if watchdog.active() else process.rank == 0 or error.rank_specific:
+        said = first if watchdog.active() else process.rank == 0 or error.rank_specific
+        if said:
             report(str(error) if process.rank == 0 else f"on rank {process.rank}: {error}")
-        elif not watchdog.active():
-            watchdog.linger()  # rank 0 says it: this rank's end must not have the launcher stop rank 0 first
-        return watchdog.leave(2)
+        return watchdog.leave(2, said)  # before the group, one that leaves it to rank 0 lingers first
     except BaseException as error:  # a bug: the first rank that fails shows its traceback, the others end quietly
         if not watchdog.active():
             raise
@@ -240,8 +235,7 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
             if progress is not None:
                 progress.close()
         if result is None:
-            where = f"epoch {epoch}, step {t.global_step}"
-            log.info("preempted at %s: %s written; continue with --resume auto", where, checkpoint.LAST[flags.strategy])
+            log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.global_step}", flags.strategy))
             log.info(t.describe_steps())
             return PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
@@ -264,17 +258,14 @@ def train(flags, t: Training, plan: planning.Plan, train_loader, val_loader, fol
         if t.stopped_early:
             break
         if preemption.agreed(final=True) and epoch < flags.epochs:
-            last = checkpoint.LAST[flags.strategy]
-            log.info("preempted after epoch %d: %s written; continue with --resume auto", epoch, last)
+            log.info(checkpoint.preempted(f"after epoch {epoch}", flags.strategy))
             log.info(t.describe_steps())
             return PREEMPTED
 
     if t.rank == 0:
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
     log.info(t.describe_steps())
-    best = t.best
-    others = ", ".join(f"{k} {v:.4f}" for k, v in best.val.items() if k != best.metric)
-    log.info("best %s %.4f at epoch %d (%s); run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
+    log.info(t.best.describe(folder.path))
     return 0
 
 

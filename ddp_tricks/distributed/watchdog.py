@@ -237,11 +237,14 @@ def lost_peer(error: BaseException) -> str | None:
     return None
 
 
-def leave(code: int) -> int:
+def leave(code: int, said: bool = True) -> int:
     """After `fail()`: end this process now with the job's exit code (the first failure's), without a teardown.
-    Unwatched (one process, no group), the code is returned for the caller to exit with."""
+    Unwatched (one process, no group), the code is returned for the caller to exit with; before the group, a
+    rank that leaves the saying to rank 0 (`said` False) lingers first (`linger`)."""
     watch = _watch
     if watch is None:
+        if not said:
+            linger()
         return code
     if watch.store is not None:
         try:

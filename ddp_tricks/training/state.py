@@ -49,6 +49,11 @@ class Best:
         self.val = {k: v for k, v in row.items() if k.startswith("val_")}
         return True
 
+    def describe(self, run_dir) -> str:
+        """A run's last line: the best value, its epoch and that epoch's other metrics, and the run's folder."""
+        others = ", ".join(f"{k} {v:.4f}" for k, v in self.val.items() if k != self.metric)
+        return f"best {self.metric} {self.value:.4f} at epoch {self.epoch} ({others}); run folder: {run_dir}"
+
     def state_dict(self) -> dict:
         return {"metric": self.metric, "value": self.value, "epoch": self.epoch, "val": dict(self.val)}
 
