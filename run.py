@@ -18,7 +18,7 @@ import sys
 from ddp_tricks import cli
 
 if __name__ == "__main__":
-    cli.answer_early(sys.argv[1:])  # --help and flag errors answer before torch is imported
+    cli.answer_early(sys.argv[1:])  # --help and flag errors answer before torch is imported; SIGTERM held from here
 
 import logging
 import os
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:  # a bug: the first rank that fails shows its traceback, the others end quietly
         return failures.bug(error, flags, process.rank)
     finally:
-        launch.cleanup()
+        launch.cleanup(ending=__name__ == "__main__")  # as a script, the process ends next: SIGTERM stays held
 
 
 def run(flags, task, process: launch.Launch) -> int:
@@ -110,6 +110,8 @@ def run(flags, task, process: launch.Launch) -> int:
         cli.describe_lr(flags, plan.lr),
         plan.steps_per_epoch,
     )
+    if state is not None and trains:
+        log.info(t.describe_resume(resume_from))
     for note in ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale):
         log.info(note)
     if flags.deterministic:
@@ -144,8 +146,8 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
             t, steps, train_loader, first_step, progress, flags.log_interval, checkpoints.after_step
         )
         if result is None:
-            where = f"epoch {epoch}, step {t.global_step}"
-            log.info("preempted at %s: %s written; continue with --resume auto", where, checkpoint.LAST[flags.strategy])
+            log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.global_step}", flags.strategy))
+            log.info(t.describe_steps())
             return failures.PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
         row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | loop.evaluate(t, val_loader)
@@ -159,16 +161,14 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
         if t.stopped_early:
             break
         if preemption.agreed(final=True) and epoch < flags.epochs:
-            last = checkpoint.LAST[flags.strategy]
-            log.info("preempted after epoch %d: %s written; continue with --resume auto", epoch, last)
+            log.info(checkpoint.preempted(f"after epoch {epoch}", flags.strategy))
+            log.info(t.describe_steps())
             return failures.PREEMPTED
 
     if t.rank == 0:
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
-    best = t.best
-    others = ", ".join(f"{k} {v:.4f}" for k, v in best.val.items() if k != best.metric)
-    others = f" ({others})" if others else ""  # a task that reports one metric and no validation loss has none
-    log.info("best %s %.4f at epoch %d%s; run folder: %s", best.metric, best.value, best.epoch, others, folder.path)
+    log.info(t.describe_steps())
+    log.info(t.best.describe(folder.path))
     return 0
 
 

@@ -39,9 +39,10 @@ def user_error(error: UserError, rank: int) -> int:
     error = cli.blame(error)  # a value from --config FILE: the message names the file and the key
     # with a process group, the job's first failure says it (on whichever rank); before one, every rank fails
     # the same check: rank 0 says it, unless only this rank is concerned
-    if first if watchdog.active() else rank == 0 or error.rank_specific:
+    said = first if watchdog.active() else rank == 0 or error.rank_specific
+    if said:
         report(str(error) if rank == 0 else f"on rank {rank}: {error}")
-    return watchdog.leave(USER_ERROR)
+    return watchdog.leave(USER_ERROR, said)  # before the group, one that leaves it to rank 0 lingers first
 
 
 def bug(error: BaseException, flags, rank: int) -> int:

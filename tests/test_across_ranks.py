@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from multiproc import Job, free_port, full_state, launch, preempted, run_ranks
+from multiproc import RUN_PY, Job, free_port, full_state, launch, preempted, run_ranks
+from resumed import assert_resumed, final_step, saved_state
 from torch import nn
 
 import run
@@ -320,6 +321,30 @@ def test_the_control_group_waits_as_long_as_dist_timeout(world_size):
         assert timeouts == (7.0, 7.0)
 
 
+SLOW_START = """
+import os, runpy, sys, time
+if os.environ["RANK"] == "0":  # a slow start (a loaded machine, a fresh interpreter): SIGTERM not held yet
+    time.sleep(2)
+sys.argv[0] = {run_py!r}
+runpy.run_path({run_py!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_mistake_every_rank_finds_is_said_though_rank_0_starts_after_the_others_have_failed(tmp_path):
+    """Rank 0 starts 2 s late, before run.py holds SIGTERM; rank 1 finds the mistake meanwhile. Rank 1 lingers
+    (watchdog.linger) until rank 0 has said it and ended, and the launcher's SIGTERM then ends rank 1. Broken on
+    purpose (no linger): rank 1 ends at once, the launcher's SIGTERM kills rank 0 while it starts: [-15, 2], no line."""
+    (tmp_path / "slow_start.py").write_text(SLOW_START.format(run_py=str(RUN_PY)))
+    args = ["--task", "tests/rank_tasks.py:MistakeBeforeTheGroup", "--no-progress", "--runs-dir", str(tmp_path)]
+    with Job(args, script=tmp_path / "slow_start.py") as job:
+        _, err = job.communicate(timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert job.exitcodes == [2, 2], (job.exitcodes, err[-3000:])
+    assert errors == ["error: the task's data is wrong (a test's own mistake)"], err[-3000:]
+
+
 HELD = """
 import os, signal, sys, time
 from ddp_tricks.distributed import watchdog
@@ -414,8 +439,10 @@ def test_a_tied_language_model_under_fsdp_equals_ddp_resumes_bit_identically_and
     out, err = preempted([*LM, *runs, "-n", "pre", "--strategy", "fsdp", "--checkpoint-every-steps", "3"],
                          tmp_path / "pre" / "last.dcp")  # fmt: skip
     assert "preempted" in out, (out + err)[-3000:]
+    saved = saved_state(tmp_path / "pre" / "last.dcp")  # before the resume replaces it
     resumed = launch([*LM, *runs, "-n", "pre", "--strategy", "fsdp", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, saved, final_step(tmp_path / "full"))
     assert (tmp_path / "pre" / "metrics.csv").read_text().count("\n") == 3
 
     whole = torch.load(tmp_path / "ddp" / "last.pt", weights_only=True)["model"]

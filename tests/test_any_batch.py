@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multiproc import launch, preempted, run_ranks
+from resumed import assert_resumed, final_step, saved_state
 from torch import nn
 
 import run
@@ -349,8 +350,10 @@ def test_language_model_on_2_ranks_exact_eval_accumulation_resume_trace_and_bf16
     out, err = preempted([*flags, "-b", "4", "-e", "2", "-n", "pre", "--checkpoint-every-steps", "10"],
                          tmp_path / "pre" / "last.pt")  # fmt: skip
     assert "preempted" in out, (out + err)[-3000:]
+    saved = saved_state(tmp_path / "pre" / "last.pt")
     resumed = launch([*flags, "-b", "4", "-e", "2", "-n", "pre", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, saved, final_step(tmp_path / "full"))
     assert _rows(tmp_path / "pre") == _rows(tmp_path / "full")
     wa, wb = _weights(tmp_path / "pre"), _weights(tmp_path / "full")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from multiproc import launch
+from resumed import assert_resumed
 
 from ddp_tricks import plan as planning
 from ddp_tricks.storage import checkpoint
@@ -114,6 +115,7 @@ def test_an_auto_run_grows_its_batch_and_its_trace_replays_and_resumes_bit_ident
     assert at_stop["step_in_epoch"] > 0 and len(set(at_stop["plan"]["trace"])) >= 2  # mid-epoch, the batch grown
     resumed = launch([*AUTO, "-n", "stopped", "--resume", "auto", "--runs-dir", str(tmp_path)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, at_stop, last["global_step"])
     assert metrics(tmp_path / "stopped") == rows
     assert load_trace(tmp_path / "stopped" / "batch_trace.csv") == trace
     same_state(checkpoint.load(tmp_path / "stopped" / "last.pt", "ddp"), last)

@@ -8,6 +8,7 @@ import pytest
 import tiny
 import torch
 from multiproc import REPO, launch, preempted, run_ranks
+from resumed import assert_resumed, final_step
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -269,8 +270,10 @@ def test_run_py_trains_from_a_trace_and_resumes_it_exactly(tmp_path):
     assert full.returncode == 0, full.stderr[-3000:]
     part = launch([*flags, "--epochs", "2", "-n", "part"])
     assert part.returncode == 0, part.stderr[-3000:]
+    saved = torch.load(tmp_path / "part" / "last.pt", weights_only=True)
     rest = launch([*flags, "--epochs", "4", "-n", "part", "--resume", "auto"])
     assert rest.returncode == 0, rest.stderr[-3000:]
+    assert_resumed(rest.stdout, saved, final_step(tmp_path / "full"))  # broken on purpose: a traced run from scratch
 
     def rows(name):
         with open(tmp_path / name / "metrics.csv", newline="") as f:
@@ -302,6 +305,7 @@ def test_traced_run_with_fp16_and_clipping_resumes_mid_epoch_bit_identically(tmp
     assert saved["step_in_epoch"] > 0 and saved["scaler"] is not None  # mid-epoch, with the GradScaler's state
     rest = launch([*flags, "-n", "part", "--resume", "auto"])
     assert rest.returncode == 0, rest.stderr[-3000:]
+    assert_resumed(rest.stdout, saved, final_step(tmp_path / "full"))
 
     def rows(name):
         with open(tmp_path / name / "metrics.csv", newline="") as f:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiproc import REPO, free_port, launch
+from resumed import assert_resumed, final_step
 
 from ddp_tricks.storage import checkpoint
 
@@ -168,7 +169,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lost_node(tmp_path_factory):
     """Two nodes train; one is killed mid-epoch, a few steps after a checkpoint; the other finishes alone. Returns
-    the run folder and a copy of it as the survivor found it (holding the checkpoint it resumed from)."""
+    the run folder, a copy of it as the survivor found it (holding the checkpoint it resumed from), and that
+    checkpoint's state."""
     root = tmp_path_factory.mktemp("elastic")
     run_dir, copy = root / "runs" / "lost", root / "by_hand" / "lost"
     args = [*FLAGS, "-n", "lost", "--runs-dir", str(root / "runs"), "--resume", "auto"]
@@ -206,17 +208,18 @@ def lost_node(tmp_path_factory):
         "kill to done": done - killed,
     }
     print("lost node:", ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
-    return run_dir, copy
+    return run_dir, copy, resumed_from
 
 
 @pytest.mark.xdist_group("elastic")  # on one worker: the module's runs are made once
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_node_killed_mid_epoch_leaves_the_other_to_finish_the_run_with_its_global_batch(uninterrupted, lost_node):
-    run_dir, _ = lost_node
+    run_dir, _, resumed_from = lost_node
     finished = workers(run_dir)
     assert len(finished["pids"]) == 1 and finished["restart"] == "1"  # alone, after one restart
     log = (run_dir.parent.parent / "a.log").read_text(errors="replace")  # the survivor's: a lost peer is not a bug
+    assert_resumed(log, resumed_from, final_step(uninterrupted))  # from the checkpoint it found, the steps it lacked
     assert re.search(r"error: on rank \d: another process of the job is gone \(killed, or its node lost: ", log), log[
         -3000:
     ]
@@ -237,9 +240,10 @@ def test_a_node_killed_mid_epoch_leaves_the_other_to_finish_the_run_with_its_glo
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_the_survivor_ends_bit_identical_to_its_checkpoint_resumed_by_hand_on_one_process(lost_node):
-    run_dir, copy = lost_node  # the run folder as the survivor found it
+    run_dir, copy, resumed_from = lost_node  # the run folder as the survivor found it
     by_hand = launch([*FLAGS, "-n", "lost", "--runs-dir", str(copy.parent), "--resume", "auto"], nproc=1)
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    assert_resumed(by_hand.stdout, resumed_from, final_step(run_dir))
     assert rows(copy) == rows(run_dir)
     a, b = weights(copy), weights(run_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -265,6 +269,9 @@ def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart(uninter
         second = agent(args, port, False, tmp_path / "b.log")
         wait_for(lambda: sigterm_pending(worker), 120, "the first agent to stop its worker", (first, second))
         os.kill(worker, signal.SIGCONT)
+        wait_for(lambda: not alive(worker), 120, "the first node's worker to stop", (first, second))
+        # nothing writes the run folder until the job has re-formed on 2 nodes and trained 20 steps
+        resumed_from = checkpoint.load(run_dir / "last.pt")
         wait_for(lambda: ranks(run_dir) == 2, 120, "the job to resume on 2 nodes", (first, second))
         resumed = time.monotonic()
         codes = first.wait(timeout=300), second.wait(timeout=60)
@@ -276,6 +283,8 @@ def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart(uninter
     assert codes == (0, 0), tail(first.log) + tail(second.log)
     assert re.search(r"preempted at epoch \d+, step \d+: last\.pt written", first.log.read_text())  # mid-epoch
     assert workers(run_dir)["restart"] == "0"  # a node joining is not a failure: it uses none of --max-restarts
+    # the resumed job's rank 0 logs on either node: the two logs together hold one resume
+    assert_resumed(first.log.read_text() + second.log.read_text(), resumed_from, final_step(uninterrupted))
     full, elastic = rows(uninterrupted), rows(run_dir)
     assert [r["step"] for r in elastic] == [r["step"] for r in full]
     assert [float(r["global_batch"]) for r in elastic] == [float(r["global_batch"]) for r in full]

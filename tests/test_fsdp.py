@@ -3,19 +3,19 @@ for every optimizer (accumulation and clipping too), LARS / LAMB / Lookahead are
 all-reduce per step for all the norms, and sharded checkpoints resume exactly, at another world size too, and
 survive a kill mid-write."""
 
-import json
 import os
 import shutil
 import signal
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import Job, full_state, launch, preempted, run_ranks, torchrun
+from multiproc import full_state, launch, preempted, run_ranks, torchrun
+from resumed import assert_resumed, final_step, saved_state
 from torch import nn
 
 import run
+from ddp_tricks.storage import checkpoint
 
 OPTIMIZERS = {  # name -> (optimizer flags of optimizers.build, LR)
     "sgd": ({"name": "sgd"}, 0.1),
@@ -205,8 +205,10 @@ def test_sigterm_and_resume_under_fsdp_are_bit_identical(sharded_run, tmp_path):
     argv = [*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--checkpoint-every-steps", "10"]
     out, err = preempted(argv, tmp_path / "pre" / "last.dcp")
     assert "preempted" in out, (out + err)[-3000:]
+    saved = saved_state(tmp_path / "pre" / "last.dcp")  # before the resume replaces it
     resumed = launch([*FLAGS, "--runs-dir", str(tmp_path), "-n", "pre", "-e", "2", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, saved, final_step(sharded_run))
     assert _rows(tmp_path / "pre") == _rows(sharded_run)
     a = torch.load(tmp_path / "pre" / "best.pt", weights_only=True)["model"]
     b = torch.load(sharded_run / "best.pt", weights_only=True)["model"]
@@ -265,36 +267,20 @@ def test_a_sharded_checkpoint_resumes_2_to_3_and_3_to_1_with_the_same_full_state
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_kill_during_a_sharded_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
-    """Every step writes a checkpoint of a wide model; a worker killed with -9 while one is being written: last.dcp
-    still names the previous checkpoint, whole, and a resume loads it."""
-    flags = [
-        *FLAGS,
-        "--runs-dir",
-        str(tmp_path),
-        "-n",
-        "k",
-        "-e",
-        "1",
-        "--model",
-        "resnet18",
-        "--checkpoint-every-steps",
-        "1",
-    ]
-    with Job(flags) as job:
-        sharded_dir, deadline = tmp_path / "k" / "sharded", time.time() + 180
-        while time.time() < deadline and job.poll() is None:  # a second checkpoint's folder, last.dcp at the first
-            link = tmp_path / "k" / "last.dcp"
-            folders = sorted(sharded_dir.iterdir()) if sharded_dir.exists() else []
-            if link.exists() and any(f.resolve() != link.resolve() for f in folders):
-                break
-            time.sleep(0.005)
-        workers = [int(pid) for pid in json.loads((tmp_path / "k" / "workers.json").read_text())["pids"]]
-        os.kill(workers[1], signal.SIGKILL)
-        job.communicate(timeout=120)
-    assert job.exitcodes[1] == -signal.SIGKILL and job.returncode != 0
-    kept = (tmp_path / "k" / "last.dcp").resolve()
-    assert (kept / "state.pt").exists() and (kept / ".metadata").exists()
-    assert _whole(tmp_path / "k" / "last.dcp")["model"]
+    """A checkpoint every 2 steps; rank 1 SIGKILLs itself 1000 bytes into its shard file of the second one
+    (killed_writes.py): that file is left half-written in a checkpoint folder of its own, and last.dcp still names
+    the first checkpoint, whole, which a resume loads. Broken on purpose: last.dcp moved to the new folder before its
+    files are written (sharded.py) leaves it naming the torn one."""
+    flags = [*FLAGS, "--task", "tests/killed_writes.py:ShardWriteKilled", "--runs-dir", str(tmp_path), "-n", "k",
+             "-e", "1", "--checkpoint-every-steps", "2"]  # fmt: skip
+    killed = launch(flags, env=os.environ | {"KILL_SHARD_WRITE": "1:2:1000"}, timeout=180)
+    assert killed.exitcodes[1] == -signal.SIGKILL and killed.returncode != 0, (killed.exitcodes, killed.stderr[-3000:])
+    run_dir = tmp_path / "k"
+    kept = (run_dir / "last.dcp").resolve()
+    (torn,) = [f for f in (run_dir / "sharded").iterdir() if f != kept]
+    assert (torn / "__1_0.distcp").stat().st_size == 1000 and not (torn / "state.pt").exists()
+    assert kept.name.startswith("step-000000002-") and (kept / "state.pt").exists() and (kept / ".metadata").exists()
+    assert _whole(run_dir / "last.dcp")["model"] and checkpoint.load(kept, "fsdp")["global_step"] == 2
     resumed = launch([*flags, "--resume", "auto", "--eval-only"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 

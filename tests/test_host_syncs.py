@@ -1,6 +1,8 @@
 """Host syncs in a training step, counted on the CPU in the real loop (`train_one_epoch`): every call that, on a GPU,
 makes the host wait for the device (a read of a tensor's value, a copy to the host, a tensor made on the device from
-host data). docs/performance.md lists what each option costs per step; these tests pin those numbers.
+host data, an op whose output's shape depends on the values: a boolean-mask index, nonzero, masked_select, unique,
+repeat_interleave by a tensor). docs/performance.md lists what each option costs per step; these tests pin those
+numbers.
 """
 
 import pytest
@@ -23,6 +25,12 @@ from lookahead import Lookahead
 T = torch.Tensor
 READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy, T.__array__}
 FROM_HOST = {torch.tensor, torch.as_tensor}  # with a device: a blocking copy from pageable host memory there
+# an output whose shape depends on the values: the host waits for the device to learn how much memory to allocate
+DATA_SHAPED = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.masked_select, T.masked_select,
+               torch.unique, T.unique, torch.unique_consecutive, T.unique_consecutive, torch.bincount,
+               T.bincount}  # fmt: skip
+INDEXED = {T.__getitem__, T.__setitem__, torch.index_put, T.index_put, T.index_put_}  # by a boolean mask: nonzero
+REPEATED = {torch.repeat_interleave, T.repeat_interleave}  # by a tensor of repeats, without output_size
 STEPS = 4  # the first step (it creates the optimizer's state) is left out of the count
 
 
@@ -41,7 +49,14 @@ class HostSyncs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in READS or (func in FROM_HOST and "device" in kwargs and not isinstance(args[0], T)):
+        if (
+            func in READS
+            or func in DATA_SHAPED
+            or (func in FROM_HOST and "device" in kwargs and not isinstance(args[0], T))
+            or (func in INDEXED and any(_boolean_mask(i) for i in _indices(args[1:2] or kwargs.values())))
+            or (func in REPEATED and "output_size" not in kwargs and isinstance(_repeats(args, kwargs), T))
+            or (func is torch.where and len(args) + len(kwargs) == 1)  # where(condition): nonzero
+        ):
             self.now.append(func.__name__)
         return func(*args, **kwargs)
 
@@ -49,6 +64,22 @@ class HostSyncs(TorchFunctionMode):
         self.per_step.append(self.now)
         self.now = []
         return False
+
+
+def _indices(index) -> list:
+    """The parts of an index (a tensor, or a tuple or list of them and of slices, ints, None, Ellipsis)."""
+    return [part for i in index for part in (i if isinstance(i, (tuple, list)) else (i,))]
+
+
+def _boolean_mask(part) -> bool:
+    return isinstance(part, T) and part.dtype == torch.bool
+
+
+def _repeats(args, kwargs):
+    """repeat_interleave's repeats: its second argument, or its first in the one-argument form."""
+    if "repeats" in kwargs:
+        return kwargs["repeats"]
+    return args[1] if len(args) > 1 else args[0]
 
 
 def syncs_per_step(t, trace=None, accum_steps=1, nonfinite_at=None, micro_batch=32) -> list[list[str]]:
@@ -88,6 +119,7 @@ def overflowing(t):
 
 @pytest.mark.parametrize("amp", ["off", "bf16"])
 def test_a_plain_step_makes_no_host_sync(amp):
+    """Broken on purpose: a boolean-mask index in the loop's step (`row[row == row]` in train_one_epoch) is counted."""
     assert syncs_per_step(toy(amp=amp)) == [[]] * (STEPS - 1)
 
 
@@ -177,6 +209,40 @@ def test_an_idle_rank_s_adascale_step_makes_only_its_one_sync():
         assert reduction.finish(16) == 1.0
     counter.after_step(None)
     assert counter.per_step == [["tolist"]]
+
+
+def test_the_counter_sees_each_op_whose_output_shape_depends_on_values():
+    counter = HostSyncs()
+    x, mask = torch.arange(4.0), torch.tensor([True, False, True, False])
+    with counter:
+        x[mask], x[1:][mask[1:]], x[:, None][mask, 0], x.nonzero(), torch.nonzero(x), torch.argwhere(x)
+        x.masked_select(mask), torch.masked_select(x, mask), x.unique(), torch.unique(x)
+        torch.unique_consecutive(x), x.long().bincount(), torch.where(mask)
+        torch.repeat_interleave(x, torch.tensor([1, 2, 1, 2])), x.repeat_interleave(torch.tensor([1, 2, 1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        y = x.clone()
+        y[mask] = 0.0
+        # none of these: shapes known ahead
+        x[1:], x[torch.tensor([0, 2])], x.masked_fill(mask, 0.0), torch.where(mask, x, 0.0), x.repeat_interleave(2)
+        torch.repeat_interleave(x, torch.tensor([1, 2, 1, 2]), output_size=6)
+    counter.after_step(None)
+    assert counter.per_step == [["__getitem__"] * 3 + ["nonzero"] * 2 + ["argwhere"] + ["masked_select"] * 2
+                                + ["unique"] * 2 + ["unique_consecutive", "bincount", "where"]
+                                + ["repeat_interleave"] * 3 + ["__setitem__"]]  # fmt: skip
+
+
+class MaskedLoss(tiny.Classify):
+    """A loss over the samples a boolean mask keeps (a data-dependent shape: on a GPU, one wait per step)."""
+
+    def loss(self, outputs, targets):
+        keep = targets >= 0
+        return super().loss(outputs[keep], targets[keep])
+
+
+def test_a_boolean_mask_in_a_task_s_loss_is_counted_once_per_micro_batch():
+    t = toy()
+    t.task = MaskedLoss()
+    assert syncs_per_step(t, accum_steps=2, micro_batch=16) == [["__getitem__", "__getitem__"] * 2] * (STEPS - 1)
 
 
 def test_the_counter_sees_each_kind_of_host_sync():

@@ -174,17 +174,26 @@ def test_state_dict_round_trip_mid_run_continues_identically(make):
     assert all(torch.equal(a, b) for a, b in zip(params, resumed))
 
 
-def test_bf16_parameters_follow_the_fp32_update():
-    params32 = make_params()
-    params16 = [nn.Parameter(p.detach().bfloat16()) for p in params32]
+@pytest.mark.parametrize("foreach", [False, True])
+def test_bf16_parameters_follow_the_fp32_update(foreach):
+    """One LARS step on bf16 parameters (per-tensor loop, multi-tensor kernels) lands where the same step in fp32
+    lands, from the same start (bf16 values): the difference is bf16's rounding, measured 2 % of the update's size
+    (lr 5: a step well above bf16's resolution; at lr 0.5 rounding is 11 % of it), asserted under 10 %. Broken on
+    purpose: bf16 parameters not updated (lars.py's bf16 path, either one) gives 100 %."""
+    start = [p.detach().bfloat16().float() for p in make_params()]
+    params32 = [nn.Parameter(w.clone()) for w in start]
+    params16 = [nn.Parameter(w.bfloat16()) for w in start]
     for ps in (params32, params16):
-        opt = LARS(ps, lr=0.5, weight_decay=1e-3, trust_coefficient=0.02)
+        opt = LARS(ps, lr=5.0, weight_decay=1e-3, trust_coefficient=0.02, foreach=foreach)
         for p, g in zip(ps, grads_for(0, ps)):
             p.grad = g.to(p.dtype)
         opt.step()
-    for a, b in zip(params32, params16):
-        assert b.dtype == torch.bfloat16
-        assert (a - b.float()).abs().max().item() < 0.05
+    assert all(b.dtype == torch.bfloat16 for b in params16)
+    update = torch.cat([(a.detach() - w).flatten() for a, w in zip(params32, start)])
+    error = torch.cat([(a.detach() - b.detach().float()).flatten() for a, b in zip(params32, params16)])
+    assert update.norm() > 0.5  # the step itself (0.66)
+    assert error.norm() < 0.1 * update.norm()
+    assert error.abs().max() < 0.1 * update.abs().max()
 
 
 def test_sparse_gradients_are_refused():

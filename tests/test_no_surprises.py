@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from multiproc import REPO
+from resumed import assert_resumed
 from sweep_harness import load_sweep, recording_sweep
 
 import run
@@ -312,10 +313,12 @@ def test_help_answers_before_torch_is_imported():
 def test_a_run_continued_with_more_epochs_schedules_over_its_new_length(tmp_path):
     flags = ["-n", "grow", "--runs-dir", str(tmp_path), "--no-progress", "--scheduler", "cosine", "-b", "64"]
     assert run.main([*flags, "-e", "1"]) == 0
+    saved = checkpoint.load(tmp_path / "grow" / "last.pt")
     assert run.main([*flags, "-e", "3", "--resume", "auto"]) == 0
-    lrs = [float(r.split(",")[6]) for r in _metrics_rows(tmp_path / "grow")]
     # 23 steps per epoch; the LR in each row is the one after that epoch's last step, on a 69-step cosine
     total = 69
+    assert_resumed((tmp_path / "grow" / "train.log").read_text(), saved, total)
+    lrs = [float(r.split(",")[6]) for r in _metrics_rows(tmp_path / "grow")]
     expected = [0.05 * (1 + math.cos(math.pi * min(23 * e + 1, total) / total)) / 2 for e in (2, 3)]
     assert lrs[1:] == pytest.approx(expected, abs=1e-12) and lrs[1] > 0  # not the 1-epoch run's finished decay
 
@@ -328,9 +331,10 @@ def test_a_compiled_run_saves_plain_weights_that_resume(tmp_path, monkeypatch):
     flags = ["-n", "c", "--runs-dir", str(tmp_path), "--no-progress", "--compile", "-b", "359", "--drop-last",
              "--val-batch-size", "256"]  # fmt: skip
     assert run.main([*flags, "-e", "1"]) == 0
-    saved = torch.load(tmp_path / "c" / "last.pt", weights_only=True)["model"]
-    assert not any(k.startswith("_orig_mod") for k in saved)
+    saved = checkpoint.load(tmp_path / "c" / "last.pt")
+    assert not any(k.startswith("_orig_mod") for k in saved["model"])
     assert run.main([*flags, "-e", "2", "--resume", "auto"]) == 0
+    assert_resumed((tmp_path / "c" / "train.log").read_text(), saved, 2 * 4)  # 4 steps of 359 an epoch
 
 
 def test_resume_auto_without_a_run_name_is_one_line(capsys):

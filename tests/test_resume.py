@@ -4,6 +4,7 @@ worker, non-finite losses, a dead rank, two nodes on one machine, and atomic che
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 import pytest
 import torch
 from multiproc import REPO, Job, free_port, launch, run_ranks, torchrun_command
+from resumed import assert_resumed, final_step, took
 
 from ddp_tricks.storage import checkpoint
 
@@ -59,8 +61,10 @@ def test_resume_after_an_epoch_is_bit_identical(uninterrupted, tmp_path):
     # A run stopped after epoch 1 (its constant-after-warmup schedule does not depend on --epochs), resumed.
     part = launch([*FLAGS, "--epochs", "1", "-n", "p", "--runs-dir", str(tmp_path)])
     assert part.returncode == 0, part.stderr[-3000:]
+    saved = checkpoint.load(tmp_path / "p" / "last.pt")
     rest = launch([*FLAGS, "--epochs", "2", "-n", "p", "--runs-dir", str(tmp_path), "--resume", "auto"])
     assert rest.returncode == 0, rest.stderr[-3000:]
+    assert_resumed(rest.stdout, saved, final_step(uninterrupted))  # broken on purpose: `state = None` in run.py
     assert_same_run(uninterrupted, tmp_path / "p")
 
 
@@ -78,20 +82,24 @@ def _pids(run_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_path):
+    """SIGTERM to rank 1 alone, early in the run: every rank stops at the same step and ends with 143, the
+    checkpoint of that step written, and a resume finishes the run bit-identical to the uninterrupted one. Broken on
+    purpose: a SIGTERM handler that does nothing, or the agreement reduced with MIN instead of SUM (preemption.py):
+    the run then finishes (0)."""
     run_dir = tmp_path / "pre"
     with Job([*FLAGS, "--epochs", "2", "-n", "pre", "--runs-dir", str(tmp_path)]) as job:
         _wait_for(lambda: (run_dir / "workers.json").exists())
         os.kill(_pids(run_dir)[1], signal.SIGTERM)
         out, err = job.communicate(timeout=120)
-    # the first rank to end: 143 (0 only if the run had already finished); as torchrun's agent does, the job then
-    # sent SIGTERM to the other, which ends with 143 too, or by it if it comes after its handler is gone
-    assert job.returncode in (143, 0), (job.exitcodes, err[-3000:])
-    if job.returncode != 0:
-        assert "preempted" in out
-        saved = checkpoint.load(run_dir / "last.pt")
-        assert saved["global_step"] > 0
-        resumed = launch([*FLAGS, "--epochs", "2", "-n", "pre", "--runs-dir", str(tmp_path), "--resume", "auto"])
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert job.exitcodes == [143, 143], (job.exitcodes, err[-3000:])
+    assert "preempted at epoch" in out, out[-3000:]
+    saved = checkpoint.load(run_dir / "last.pt")
+    total = final_step(uninterrupted)
+    assert 0 < saved["global_step"] < total
+    assert took(out) == (saved["global_step"], 0, saved["global_step"])  # it stopped at the step it saved
+    resumed = launch([*FLAGS, "--epochs", "2", "-n", "pre", "--runs-dir", str(tmp_path), "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, saved, total)
     assert_same_run(uninterrupted, run_dir)
 
 
@@ -110,6 +118,7 @@ def test_mid_epoch_checkpoint_resume_skips_exactly_the_consumed_batches(uninterr
     resumed = launch([*FLAGS, "--epochs", "2", "-n", "mid", "--runs-dir", str(tmp_path), "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert state["step_in_epoch"] > 0  # written mid-epoch (SIGTERM lands soon after the step-50 checkpoint)
+    assert_resumed(resumed.stdout, state, final_step(uninterrupted))  # the consumed batches skipped, no more
     assert_same_run(uninterrupted, run_dir)
 
 
@@ -135,11 +144,23 @@ def test_torchrun_restarts_after_kill_9_and_finishes_like_the_uninterrupted_run(
         extra=("--max-restarts=1",),
     )
     _wait_for(lambda: (run_dir / "last.pt").exists())
-    os.kill(_pids(run_dir)[1], signal.SIGKILL)
+    first = _pids(run_dir)
+    os.kill(first[1], signal.SIGKILL)
+    _wait_for(lambda: not _alive(first[0]))  # the first attempt is gone: nothing writes until the restart has trained
+    shutil.copy(run_dir / "last.pt", tmp_path / "restarted-from.pt")  # 40 steps, seconds after it starts
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert json.loads((run_dir / "workers.json").read_text())["restart"] == "1"
+    assert_resumed(out, tmp_path / "restarted-from.pt", final_step(uninterrupted))
     assert_same_run(uninterrupted, run_dir)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.slow
@@ -276,27 +297,36 @@ def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(tmp_path):
 
 
 WRITER = """
-import sys, torch
-sys.path.insert(0, {repo!r})
+import sys, io, torch
+sys.path[:0] = [{repo!r}, {tests!r}]
+from killed_writes import kill_torch_save_after
 from ddp_tricks.storage import checkpoint
-big = {{"model": {{"w": torch.randn(4_000_000)}}, "epoch": 0}}
-n = 0
-while True:
-    n += 1
-    big["epoch"] = n
-    checkpoint.save(big, {path!r})
+state = {{"model": {{"w": torch.arange(1_000_000, dtype=torch.float32)}}, "epoch": 1}}
+whole = io.BytesIO()
+torch.save(state, whole)
+limit = max(1, int({fraction} * len(whole.getvalue())))
+print(limit, flush=True)  # the byte it dies at
+kill_torch_save_after(limit)
+checkpoint.save(state, {path!r})
+print("saved", flush=True)
 """
 
 
 def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    """A writer that SIGKILLs itself in the middle of saving a checkpoint over the previous one (early, half way,
+    near the end: killed_writes.py): what it wrote is left in a temporary file, exactly that many bytes, and the
+    previous checkpoint loads whole. Broken on purpose: torch.save straight to the target (files.py) leaves a torn
+    last.pt and no temporary file."""
     path = tmp_path / "last.pt"
     checkpoint.save({"model": {"w": torch.zeros(3)}, "epoch": 0}, path)
-    for delay in (0.3, 0.55, 0.8):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=str(REPO), path=str(path))])
-        time.sleep(delay)
-        writer.kill()
-        writer.wait(timeout=30)
+    for fraction in (0.0001, 0.5, 0.99):
+        before = set(tmp_path.iterdir())
+        script = WRITER.format(repo=str(REPO), tests=str(REPO / "tests"), fraction=fraction, path=str(path))
+        writer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert writer.returncode == -signal.SIGKILL, writer.stderr[-3000:]
+        limit = int(writer.stdout.split()[0])
+        assert "saved" not in writer.stdout
         state = checkpoint.load(path)  # never a torn file
-        assert state["epoch"] >= 0
-    leftovers = [p for p in tmp_path.iterdir() if p.name != "last.pt"]
-    assert len(leftovers) <= 3  # at most the temporary files of the killed writes, never the checkpoint
+        assert state["epoch"] == 0 and torch.equal(state["model"]["w"], torch.zeros(3))
+        left = set(tmp_path.iterdir()) - before  # the killed write's temporary file, half-written
+        assert [p.stat().st_size for p in left] == [limit], (limit, left)

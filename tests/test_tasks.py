@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 from multiproc import REPO, launch, preempted
+from resumed import assert_resumed, final_step
 
 import run
 from ddp_tricks import cli as config
+from ddp_tricks.storage import checkpoint
 
 TIMING = {"epoch_seconds", "samples_per_second"}
 EXAMPLES = {
@@ -91,8 +93,10 @@ def test_example_task_on_2_ranks_exact_eval_accumulation_and_resume(example, tmp
     run_dir = tmp_path / "pre"
     out, err = preempted([*long_run, "-n", "pre", "--checkpoint-every-steps", "20"], run_dir / "last.pt")
     assert "preempted" in out, (out + err)[-3000:]
+    saved = checkpoint.load(run_dir / "last.pt")
     resumed = launch([*long_run, "-n", "pre", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, saved, final_step(tmp_path / "full"))
     assert rows(run_dir) == rows(tmp_path / "full")
     wa, wb = weights(run_dir), weights(tmp_path / "full")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

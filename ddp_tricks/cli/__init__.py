@@ -117,10 +117,18 @@ def describe_lr(flags: argparse.Namespace, lr: float) -> str:
 
 def answer_early(argv: list[str]) -> None:
     """`run.py --help` and flag mistakes, answered before torch is imported: help exits 0 (argparse), a mistake
-    prints one line (on rank 0 only: every rank parses the same flags) and exits 2."""
+    prints one line (on rank 0 only: every rank parses the same flags) and exits 2, another rank lingering first.
+    run.py calls it first, as a script: SIGTERM is held from here on (before the task file and torch are imported),
+    so the SIGTERM a launcher sends every worker once one has ended cannot kill rank 0 before it says a mistake
+    (watchdog: the hold, and the linger that leaves rank 0 time to say it)."""
+    from ddp_tricks.distributed import watchdog
+
+    watchdog.hold_sigterm()
     try:
         parse(argv)
     except UserError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             report(str(error))
+        else:
+            watchdog.linger()
         sys.exit(2)

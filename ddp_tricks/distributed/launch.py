@@ -149,13 +149,18 @@ def refuse_shared_gpu(store, gpu_id, rank: int) -> None:
         )
 
 
-def cleanup() -> None:
+def cleanup(ending: bool = False) -> None:
     """Leave the process group at a normal end; safe to call twice, or with no group at all. (A failure with a
     group leaves by watchdog.leave() instead: peers may be stuck, and a teardown would wait for them.)
 
     An agreement still in flight is settled first: tearing a group down under pending work aborts the process.
+    `ending`: the process ends right after (run.py as a script): SIGTERM stays held through the teardown and the
+    interpreter's end, so the SIGTERM a launcher sends every worker once one has ended (a preempted peer, one that
+    finished first) does not replace the exit code this process ends with; else SIGTERM's handler is as before.
     """
     watchdog.restore_signals()  # first: a failure's hold was set over preemption's handler, which then restores its own
+    if ending:
+        watchdog.hold_sigterm()  # preemption then leaves it in place (its own handler is no longer SIGTERM's)
     preemption.close_all()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

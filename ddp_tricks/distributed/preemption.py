@@ -34,12 +34,14 @@ class Preemption:
         _LIVE.append(self)
 
     def close(self) -> None:
-        """Settle any agreement in flight and give SIGTERM its previous handler back."""
+        """Settle any agreement in flight and give SIGTERM its previous handler back (unless another has been set
+        over this one since: a process that is ending holds SIGTERM, launch.cleanup)."""
         try:
             self._settle()
         except Exception:  # a broken group: the error that broke it is already on its way up
             pass
-        signal.signal(signal.SIGTERM, self._previous_handler)
+        if signal.getsignal(signal.SIGTERM) == self._on_signal:
+            signal.signal(signal.SIGTERM, self._previous_handler)
 
     def _on_signal(self, signum, frame) -> None:
         self.requested = True

@@ -144,6 +144,16 @@ def _hold(signum, frame) -> None:
         timer.start()
 
 
+def linger(seconds: float = HOLD) -> None:
+    """A rank other than 0 that fails a check every rank makes, before the process group: rank 0 is the one to say
+    it, and may find it later (a loaded machine). Wait up to `seconds` before ending, or until a SIGTERM comes (held:
+    the launcher stops this rank because another has ended, rank 0 having said it), so that this rank's own end does
+    not bring the launcher's SIGTERM to rank 0 before it has."""
+    deadline = time.monotonic() + seconds
+    while not _held and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def joining() -> None:
     """Before joining the process group: a SIGTERM held until now ends this process here (143: its job is being
     stopped, and the others are leaving); else SIGTERM gets its own handler back."""
@@ -227,11 +237,14 @@ def lost_peer(error: BaseException) -> str | None:
     return None
 
 
-def leave(code: int) -> int:
+def leave(code: int, said: bool = True) -> int:
     """After `fail()`: end this process now with the job's exit code (the first failure's), without a teardown.
-    Unwatched (one process, no group), the code is returned for the caller to exit with."""
+    Unwatched (one process, no group), the code is returned for the caller to exit with; before the group, a
+    rank that leaves the saying to rank 0 (`said` False) lingers first (`linger`)."""
     watch = _watch
     if watch is None:
+        if not said:
+            linger()
         return code
     if watch.store is not None:
         try:

@@ -18,6 +18,11 @@ from ddp_tricks.storage.files import save
 LAST = {"ddp": "last.pt", "fsdp": sharded.LINK}  # a run's latest checkpoint, by --strategy
 
 
+def preempted(where: str, strategy: str) -> str:
+    """The line a run stopped by SIGTERM ends with (`where`: "at epoch E, step S", or "after epoch E")."""
+    return f"preempted {where}: {LAST[strategy]} written; continue with --resume auto"
+
+
 def load(path: str | Path, strategy: str = "ddp", resumable: bool = True) -> dict[str, Any]:
     """Read a checkpoint without running any code from it: a last.pt/best.pt file (--strategy ddp), or a sharded
     checkpoint's folder (fsdp; its sharded tensors still placeholders, see sharded.fill). A bad file, or one of

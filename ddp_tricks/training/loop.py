@@ -210,6 +210,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
         if skip_nonfinite and any_rank(step_nonfinite, t.device):  # the step's one host sync
             t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
             t.global_step += 1
+            t.steps_in_process += 1
             t.skipped_steps += 1
             step_nonfinite.zero_()
         else:
@@ -264,6 +265,7 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
         t.lr_log.append((t.global_step + 1, t.lr * lr_factor))  # host floats: no sync
     took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
     t.global_step += 1
+    t.steps_in_process += 1
     if not took_step:
         t.skipped_steps += 1
         return

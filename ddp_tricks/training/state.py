@@ -51,6 +51,12 @@ class Best:
         self.val = {k: v for k, v in row.items() if k.startswith("val_")}
         return True
 
+    def describe(self, run_dir) -> str:
+        """A run's last line: the best value, its epoch and that epoch's other metrics, and the run's folder."""
+        others = ", ".join(f"{k} {v:.4f}" for k, v in self.val.items() if k != self.metric)
+        others = f" ({others})" if others else ""  # a task that reports one metric and no validation loss has none
+        return f"best {self.metric} {self.value:.4f} at epoch {self.epoch}{others}; run folder: {run_dir}"
+
     def state_dict(self) -> dict:
         return {"metric": self.metric, "value": self.value, "epoch": self.epoch, "val": dict(self.val)}
 
@@ -104,6 +110,8 @@ class Training:
     resume_sums: torch.Tensor | None = field(init=False, default=None)  # a checkpoint's, to continue its epoch
     resume_rng: dict | None = field(init=False, default=None)  # this rank's RNG of a mid-epoch checkpoint
     lr_log: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
+    first_global_step: int = field(init=False, default=0)  # where this process began: a checkpoint's, or 0
+    steps_in_process: int = field(init=False, default=0)  # optimizer steps this process took or skipped, counted
 
     @property
     def raw_model(self) -> nn.Module:
@@ -151,6 +159,22 @@ class Training:
             self.early_stopping(monitored)
         self.completed_epochs, self.step_in_epoch = self.epoch, 0
         return improved
+
+    def describe_resume(self, source) -> str:
+        """Where a resumed run starts, as its checkpoint `source` says (the log's line; tests read it)."""
+        epoch, step = self.completed_epochs, self.step_in_epoch
+        return (
+            f"resumed from {source}: epoch {epoch} done, {step} step(s) into epoch {epoch + 1}, "
+            f"global step {self.global_step}"
+        )
+
+    def describe_steps(self) -> str:
+        """The optimizer steps this process took (or skipped), counted as they were taken, and the global steps it
+        went between (the log's last line; tests read it: a resume takes exactly the steps its checkpoint lacks)."""
+        return (
+            f"{self.steps_in_process} optimizer step(s) in this process "
+            f"(global steps {self.first_global_step} -> {self.global_step})"
+        )
 
     def raise_if_nonfinite(self, check_weights: bool = False) -> None:
         """Stop every rank together when any rank's epoch loss has become non-finite (one small collective).
@@ -249,7 +273,7 @@ class Training:
             self.adascale.load_state_dict(state["adascale"])
         if self.noise is not None and state.get("noise") is not None:
             self.noise.unpack(resume_rows(state["noise"], self.rank, self.world_size, mean=True))
-        self.global_step = state["global_step"]
+        self.global_step = self.first_global_step = state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.completed_epochs = self.epoch = state["epoch"]
         self.step_in_epoch = state.get("step_in_epoch", 0)
