@@ -49,11 +49,16 @@ def load_task(spec: str) -> type:
     return task_class
 
 
-def monitored_metric(task_class: type, flag: str | None) -> str:
-    """The validation metric the run follows, as `val_<name>`: --monitor (`mae` or `val_mae`) or the task's."""
+def monitored_metric(task_class: type, flag: str | None, ema: bool = False) -> str:
+    """The validation metric the run follows, as `val_<name>`: --monitor (`mae` or `val_mae`; with --model-ema
+    (`ema`) also the EMA weights' `ema_mae`) or the task's."""
     names = ["loss", *getattr(task_class, "better", {})]
     name = flag if flag is not None else getattr(task_class, "monitor", "loss")
     bare = name[4:] if name.startswith("val_") else name
+    if bare.startswith("ema_") and bare[4:] in names and bare not in names:
+        if not ema:
+            raise UserError(f"--monitor-metric {name!r} follows the EMA's weights: add --model-ema DECAY")
+        return f"val_{bare}"
     if bare not in names:
         where = "--monitor-metric" if flag is not None else "the task's monitor"
         raise UserError(
@@ -64,5 +69,7 @@ def monitored_metric(task_class: type, flag: str | None) -> str:
 
 
 def mode_of(task_class, monitor: str) -> str:
-    """'min' or 'max': which way the monitored metric improves."""
-    return "min" if monitor == "val_loss" else getattr(task_class, "better", {})[monitor[4:]]
+    """'min' or 'max': which way the monitored metric improves (the EMA's `val_ema_<name>` as `val_<name>`)."""
+    name = monitor[4:]
+    name = name[4:] if name.startswith("ema_") and name not in getattr(task_class, "better", {}) else name
+    return "min" if name == "loss" else getattr(task_class, "better", {})[name]

@@ -206,8 +206,8 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
             t.global_step += 1
             t.skipped_steps += 1
             step_nonfinite.zero_()
-        else:
-            optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress)
+        elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress):
+            after_optimizer_step(t, run_progress(t.epoch, t.epochs, done, len(steps)))
         t.step_in_epoch = done
         if done % log_interval == 0:
             t.raise_if_nonfinite()
@@ -250,18 +250,37 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     )
 
 
-def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1.0, progress: float = 1.0) -> None:
+def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1.0, progress: float = 1.0) -> bool:
     """One optimizer step at the schedule's LR x `lr_factor`, and one schedule step, by `progress` (a traced step:
     its samples over the reference batch's, or AdaScale's gain); an fp16 step the scaler skips does not advance the
-    schedule."""
+    schedule. Returns whether the step was taken."""
     if t.schedule.warming_up or t.global_step % 10 == 0:
         t.lr_log.append((t.global_step + 1, t.lr * lr_factor))  # host floats: no sync
     took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
     t.global_step += 1
     if not took_step:
         t.skipped_steps += 1
-        return
+        return False
     t.schedule.step(progress)
+    return True
+
+
+def run_progress(epoch: int, epochs: int, done: int, steps: int) -> float:
+    """How far the run is after step `done` of the `steps` of epoch `epoch` (1-based) of `epochs`, in (0, 1]: an
+    untraced run's global step over its total steps, exactly (one division of whole numbers)."""
+    return ((max(epoch, 1) - 1) * steps + done) / (max(epochs, 1) * steps)
+
+
+def after_optimizer_step(t: Training, progress: float) -> None:
+    """What follows an optimizer step that was taken (not a skipped one), on every rank: the task's per-step hook
+    `after_step(model, step, progress)` on the unwrapped model, then the model EMA, which averages what the step
+    and the hook left."""
+    hook = getattr(t.task, "after_step", None)
+    if hook is not None:
+        with torch.no_grad():  # state written in place (a teacher's weights), not part of any graph
+            hook(t.raw_model, t.global_step, progress)
+    if t.ema is not None:
+        t.ema.update(t.raw_model)
 
 
 @torch.no_grad()
@@ -313,3 +332,13 @@ def evaluate(t: Training, loader) -> dict[str, float]:
                     model(first[0])
     *total, units = all_reduce_sum(sums).tolist()
     return report(t.task, t.sum_names, "val", total, units)
+
+
+def evaluate_ema(t: Training, loader) -> dict[str, float]:
+    """--model-ema: the same evaluation of the EMA's weights (swapped into the model for it), as `val_ema_*`; {}
+    without an EMA."""
+    if t.ema is None:
+        return {}
+    with t.ema.swapped_in(t.raw_model):
+        row = evaluate(t, loader)
+    return {f"val_ema_{name.removeprefix('val_')}": value for name, value in row.items()}
