@@ -1,0 +1,263 @@
+"""What happens after an optimizer step (#37): the task's per-step hook `after_step(model, step, progress)` runs once
+per optimizer step that was taken, on every rank, and nowhere else (not per micro-batch, not in the start-up checks,
+not in evaluation, not for a skipped step); model EMA (`--model-ema`) is a plain EMA of the weights' history, on
+the device without host syncs, evaluated beside the weights, checkpointed and resumed bit-identically under DDP and
+FSDP (at another world size too), and FSDP's EMA is DDP's."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+from multiproc import REPO, full_state, launch, preempted
+from step_tasks import hook_calls
+
+from ddp_tricks.storage import checkpoint
+
+TASK = ["--task", "tests/step_tasks.py:Recording", "--no-progress", "--log-interval", "5"]
+TIMING = {"epoch_seconds", "samples_per_second"}
+
+
+def _env(**extra) -> dict:
+    return dict(os.environ) | {k: str(v) for k, v in extra.items()}
+
+
+def _rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def _last(run_dir) -> dict:
+    """The run's last checkpoint, whole (a sharded one's slices joined as tools/export.py joins them)."""
+    if (run_dir / "last.pt").exists():
+        return torch.load(run_dir / "last.pt", weights_only=True)
+    whole = full_state(run_dir / "last.dcp")
+    state = checkpoint.load(run_dir / "last.dcp", "fsdp")
+    return {"model": whole["model"], "ema": {"weights": whole["ema"], "updates": state["ema"]["updates"]}} | {
+        k: state[k] for k in ("global_step", "epoch")
+    }
+
+
+# ---------------------------------------------------------------- the hook: once per optimizer step taken
+
+
+CASES = {  # (processes: None is plain `python run.py`, flags): steps per epoch of the digits' 1438 samples
+    "one process": (None, ["-b", "32"]),
+    "2 ranks": (2, ["-b", "32"]),
+    "2 ranks, accumulation": (2, ["-b", "16", "--accum-steps", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nproc, flags", CASES.values(), ids=CASES.keys())
+def test_the_hook_runs_once_per_optimizer_step_on_every_rank(nproc, flags, tmp_path):
+    """Break: call the hook per micro-batch (inside the accumulation loop), or in evaluation: the counts differ."""
+    log = tmp_path / "hook"
+    result = launch([*TASK, *flags, "-e", "2", "--runs-dir", str(tmp_path), "-n", "r"], nproc, env=_env(HOOK_LOG=log))
+    assert result.returncode == 0, result.stderr[-3000:]
+    total = _last(tmp_path / "r")["global_step"]
+    assert total == 2 * (45 if nproc is None else 23)  # ceil(1438 / 32) or / 64 steps per epoch
+    for rank in range(nproc or 1):
+        calls = hook_calls(log, rank)
+        assert [c["step"] for c in calls] == list(range(1, total + 1)), rank  # not in the checks, not in evaluation
+        assert [c["progress"] for c in calls] == [k / total for k in range(1, total + 1)]
+        assert all(c["training"] and not c["grad"] for c in calls)  # after the step: train mode, under no_grad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_traced_run_calls_the_hook_once_per_trace_step_on_every_rank(tmp_path):
+    """Every rank takes part in a traced step, also one with no micro-batch in it (doubling.csv's first steps give
+    one rank none at -b 16): each calls the hook. Break: call it only where the rank ran a micro-batch."""
+    log = tmp_path / "hook"
+    trace = ["--batch-trace", str(REPO / "examples" / "traces" / "doubling.csv"), "-b", "16"]
+    result = launch([*TASK, *trace, "-e", "1", "--runs-dir", str(tmp_path), "-n", "t"], env=_env(HOOK_LOG=log))
+    assert result.returncode == 0, result.stderr[-3000:]
+    total = _last(tmp_path / "t")["global_step"]
+    for rank in (0, 1):
+        calls = hook_calls(log, rank)
+        assert [c["step"] for c in calls] == list(range(1, total + 1)), rank
+        progress = [c["progress"] for c in calls]
+        assert progress == sorted(progress) and progress[-1] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_skipped_step_skips_the_hook_and_the_ema_on_every_rank(tmp_path):
+    """--on-nonfinite skip: a step whose loss is NaN (a poisoned sample's) is skipped on every rank, and so are the
+    hook and the EMA update. Break: call after_optimizer_step whatever optimizer_step returns, or in the skip branch."""
+    log = tmp_path / "hook"
+    argv = [*TASK, "-b", "32", "-e", "1", "--on-nonfinite", "skip", "--model-ema", "0.9"]
+    result = launch([*argv, "--runs-dir", str(tmp_path), "-n", "s"], env=_env(HOOK_LOG=log, POISON=100))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["skipped_steps"] for row in _rows(tmp_path / "s")] == ["1"]
+    last = _last(tmp_path / "s")
+    steps = [[c["step"] for c in hook_calls(log, rank)] for rank in (0, 1)]
+    assert steps[0] == steps[1] and len(steps[0]) == last["global_step"] - 1 == 22
+    assert steps[0] == sorted(set(steps[0])) and set(steps[0]) < set(range(1, 24))  # one step missing, the others once
+    assert last["ema"]["updates"] == 22
+
+
+def test_a_step_the_fp16_scaler_skips_skips_the_hook_and_the_ema():
+    """The loop in one process, fp16 on the CPU with a scale that overflows every step (as test_host_syncs): the
+    scaler skips all, so neither the hook nor the EMA runs. Break: drop the took_step check in the loop."""
+    from test_host_syncs import overflowing, syncs_per_step, toy
+
+    from ddp_tricks.training.ema import ModelEma
+
+    calls = []
+    t = overflowing(toy(amp="fp16"))
+    t.task.after_step = lambda model, step, progress: calls.append(step)
+    t.ema = ModelEma(t.model, 0.9)
+    before = {k: v.clone() for k, v in t.ema.weights.items()}
+    syncs_per_step(t)
+    assert t.skipped_steps == t.global_step > 0 and calls == [] and t.ema.updates == 0
+    assert all(torch.equal(before[k], v) for k, v in t.ema.weights.items())
+    t = toy(amp="fp16")  # the same with a scale that fits: every step calls both
+    t.task.after_step = lambda model, step, progress: calls.append(step)
+    t.ema = ModelEma(t.model, 0.9)
+    syncs_per_step(t)
+    assert calls == list(range(1, t.global_step + 1)) and t.ema.updates == t.global_step
+
+
+def test_an_ema_step_makes_no_host_sync_and_neither_does_calling_the_hook():
+    """Break: read the decay from a device tensor, or compute the warmup on the device and read it back."""
+    from test_host_syncs import STEPS, syncs_per_step, toy
+
+    from ddp_tricks.training.ema import ModelEma
+
+    t = toy()
+    t.ema = ModelEma(t.model, 0.999, warmup=True)
+    t.task.after_step = lambda model, step, progress: None
+    assert syncs_per_step(t) == [[]] * (STEPS - 1)
+    assert t.ema.updates == STEPS
+
+
+# ---------------------------------------------------------------- model EMA: the EMA of the weights' history
+
+
+def plain_ema(history: list[dict], decay: float, warmup: bool) -> dict:
+    """The EMA written out: e_0 = w_0; after step k (1-based), e_k = d_k e_{k-1} + (1 - d_k) w_k with d_k = decay, or
+    min(decay, k / (9 + k)) with warmup; integer tensors copied. In float64."""
+    ema = {k: v.double() if v.is_floating_point() else v.clone() for k, v in history[0].items()}
+    for k, weights in enumerate(history[1:], start=1):
+        d = min(decay, k / (9 + k)) if warmup else decay
+        for name, value in weights.items():
+            ema[name] = d * ema[name] + (1 - d) * value.double() if value.is_floating_point() else value.clone()
+    return ema
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ema_equals_a_plain_ema_over_the_weights_history(tmp_path):
+    """2 ranks with accumulation, warmup of the decay: the checkpoint's EMA against the EMA computed here from the
+    weights after every step (saved by the hook on rank 0, with the initial ones) to 1e-6. Break: lerp with weight
+    `decay` instead of 1 - decay, or count updates from 1: off by far more."""
+    folder = tmp_path / "history"
+    argv = [*TASK, "-b", "16", "--accum-steps", "2", "-e", "1", "--model-ema", "0.95", "--model-ema-warmup"]
+    result = launch([*argv, "--runs-dir", str(tmp_path), "-n", "e"], env=_env(HOOK_WEIGHTS=folder))
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = _last(tmp_path / "e")
+    history = [torch.load(folder / f"step-{k}.pt", weights_only=True) for k in range(last["global_step"] + 1)]
+    expected = plain_ema(history, 0.95, warmup=True)
+    ema = last["ema"]["weights"]
+    assert ema.keys() == expected.keys() and last["ema"]["updates"] == last["global_step"] == 23
+    worst = max((ema[k].double() - expected[k]).abs().max().item() for k in ema)
+    assert worst <= 1e-6, worst
+    assert not all(torch.equal(ema[k], last["model"][k]) for k in ema)  # an EMA, not the weights
+    columns = _rows(tmp_path / "e")[0]
+    assert {"val_ema_loss", "val_ema_acc"} <= columns.keys() and columns["val_ema_acc"] != columns["val_acc"]
+
+
+# ---------------------------------------------------------------- model EMA: checkpoints, resume, FSDP
+
+EMA = [*TASK, "-b", "16", "-e", "2", "--model-ema", "0.9", "--model-ema-warmup", "--base-lr", "0.02"]
+STRATEGIES = {"ddp": [], "fsdp": ["--strategy", "fsdp"]}
+TOTAL = 90  # 2 epochs of ceil(1438 / 32) steps
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The EMA run of each strategy to its end, on 2 ranks, without a stop."""
+    runs = tmp_path_factory.mktemp("ema")
+    for strategy, flags in STRATEGIES.items():
+        result = launch([*EMA, *flags, "--runs-dir", str(runs), "-n", strategy])
+        assert result.returncode == 0, result.stderr[-3000:]
+    return runs
+
+
+def _same_state(a: dict, b: dict) -> None:
+    for part in ("model", "ema"):
+        x, y = (a[part], b[part]) if part == "model" else (a[part]["weights"], b[part]["weights"])
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), part
+
+
+def _preempt(argv, run_dir, log, monkeypatch) -> dict:
+    """run.py ARGV on 2 ranks, SIGTERM once rank 0's hook has seen 30 steps; the checkpoint it wrote (read before
+    anything resumes from it)."""
+    monkeypatch.setenv("HOOK_LOG", str(log))
+    out, err = preempted(argv, run_dir, ready=lambda: len(hook_calls(log, 0)) >= 30)
+    assert "preempted at epoch 1" in out, (out + err)[-3000:]
+    state = _last(run_dir)
+    assert 30 <= state["global_step"] < TOTAL and state["ema"]["updates"] == state["global_step"]
+    return state
+
+
+def _assert_resumed(log, saved: dict) -> None:
+    """The resumed process started after the checkpoint's step and took the steps it lacked, each once, on both
+    ranks: a fresh start (or a second pass over steps already taken) would call the hook from step 1."""
+    for rank in (0, 1):
+        assert [c["step"] for c in hook_calls(log, rank)] == list(range(saved["global_step"] + 1, TOTAL + 1)), rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sigterm_and_resume_of_an_ema_run_are_bit_identical(strategy, uninterrupted, tmp_path, monkeypatch):
+    """Mid-epoch SIGTERM, then --resume auto: every metrics row (val_ema_* too), the weights and the EMA equal the
+    uninterrupted run's bit for bit. Under FSDP the same checkpoint also resumes on one process (another world size:
+    DCP cuts the EMA's slices anew), and its EMA goes on from the saved one. Break: leave the EMA out of the
+    checkpoint (resumed from the weights), or restart its update count: the EMA differs."""
+    argv = [*EMA, *STRATEGIES[strategy], "--runs-dir", str(tmp_path), "-n", "p"]
+    saved = _preempt(argv, tmp_path / "p", tmp_path / "before", monkeypatch)
+    if strategy == "fsdp":
+        import shutil
+
+        shutil.copytree(tmp_path / "p", tmp_path / "one" / "p", symlinks=True)
+    monkeypatch.setenv("HOOK_LOG", str(tmp_path / "after"))
+    resumed = launch([*argv, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_resumed(tmp_path / "after", saved)
+    assert _rows(tmp_path / "p") == _rows(uninterrupted / strategy)
+    _same_state(_last(tmp_path / "p"), _last(uninterrupted / strategy))
+    if strategy == "fsdp":
+        monkeypatch.setenv("HOOK_LOG", str(tmp_path / "alone"))
+        alone = launch([*EMA, "--strategy", "fsdp", "--runs-dir", str(tmp_path / "one"), "-n", "p", "--resume", "auto"],
+                       nproc=None)  # fmt: skip
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        calls = [c["step"] for c in hook_calls(tmp_path / "alone", 0)]
+        assert calls == list(range(saved["global_step"] + 1, TOTAL + 1))
+        end, reference = _last(tmp_path / "one" / "p"), _last(uninterrupted / strategy)
+        assert end["ema"]["updates"] == TOTAL
+        params = [k for k in reference["model"] if "running" not in k and "num_batches" not in k]
+        worst = max((end["ema"]["weights"][k] - reference["ema"]["weights"][k]).abs().max().item() for k in params)
+        assert worst < 1e-4, worst  # the same EMA up to the order of sums (1 process sums the 2 ranks' gradients)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_s_ema_is_ddp_s(uninterrupted):
+    """The EMA kept on FSDP's shards (each rank its slices, no collective) equals DDP's whole one, parameters and
+    BatchNorm's statistics alike (rank 0's: both save rank 0's buffers). Break: lerp only rank 0's slices."""
+    ddp, fsdp = _last(uninterrupted / "ddp"), _last(uninterrupted / "fsdp")
+    assert ddp["ema"]["weights"].keys() == fsdp["ema"]["weights"].keys()
+    worst = max((ddp["ema"]["weights"][k].double() - fsdp["ema"]["weights"][k].double()).abs().max().item()
+                for k in ddp["ema"]["weights"])  # fmt: skip
+    assert worst <= 1e-5, worst
+    assert ddp["ema"]["updates"] == fsdp["ema"]["updates"] == TOTAL
+    rows = _rows(uninterrupted / "ddp"), _rows(uninterrupted / "fsdp")
+    for a, b in zip(*rows):
+        assert float(a["val_ema_acc"]) == pytest.approx(float(b["val_ema_acc"]), abs=1 / 359)
