@@ -114,7 +114,7 @@ def run(flags, task, process: launch.Launch) -> int:
         log.info(note)
     if flags.plot_lr:
         if dist.is_main:
-            log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path))
+            log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path, found.groups))
         return 0
     train_loader, val_loader = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
     if flags.eval_only:
@@ -201,7 +201,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     model = model.to(dist.device, memory_format=torch.channels_last if flags.channels_last else torch.preserve_format)
     if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
         model = fsdp.shard(model, found.units, DTYPES[flags.amp])
-    optimizer = optimizers.build(model, lr=plan.lr, sparse=found.sparse, **cli.optimizer_options(flags))
+    optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
     ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
     apex_amp = None
     if flags.amp_backend == "apex":
@@ -263,18 +263,19 @@ def make_schedule(flags, plan: planning.Plan, optimizer, mode: str) -> schedule.
     return schedule.build(optimizer, power=plan.lr_power, plateau_mode=mode, **steps, **cli.schedule_options(flags))
 
 
-def preview_lr(flags, plan: planning.Plan, mode: str, run_dir: Path) -> Path:
-    """The LR of every step of the run (with a trace, times its batch's linear/root factor), drawn and listed."""
-    lrs = schedule.lrs_over_run(
-        lambda opt: make_schedule(flags, plan, opt, mode), plan.lr, plan.run_steps, plan.lr_factor_at, plan.progress_at
-    )
+def preview_lr(flags, plan: planning.Plan, mode: str, run_dir: Path, groups: tuple[dict, ...] = ()) -> Path:
+    """The LR of every step of the run (with a trace, times its batch's linear/root factor; with the task's parameter
+    `groups`, each group's), drawn and listed."""
+    steps, mults = (plan.run_steps, plan.lr_factor_at, plan.progress_at), [g["lr_mult"] for g in groups] or [1.0]
+    lrs = schedule.lrs_over_run(lambda opt: make_schedule(flags, plan, opt, mode), plan.lr, *steps, tuple(mults))
     kind = decay_kind(flags.scheduler, flags.warmup_type)
     note = " (plateau cuts depend on the monitored metric: not shown)" if kind == "plateau" else ""
     title = (
         f"{kind} after {flags.warmup_epochs:g} warmup epochs, LR {plan.lr:.4g} (--lr-scaling {flags.lr_scaling}, "
         f"{plan.describe()}){note}{plan.trace_note()}"
     )
-    return plots.lr_schedule(lrs, plan.steps_per_epoch, run_dir, title)
+    names = [f"{group['name']} (x{group['lr_mult']:g})" for group in groups]
+    return plots.lr_schedule(lrs, plan.steps_per_epoch, run_dir, title, names)
 
 
 if __name__ == "__main__":

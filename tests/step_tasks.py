@@ -61,3 +61,21 @@ def hook_calls(log: str | Path, rank: int) -> list[dict]:
     """The hook's calls on `rank`, in order."""
     path = Path(f"{log}.{rank}")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class Finetune(Task):
+    """Fine-tuning's parameter groups: the convolutional body at a tenth of the LR, the head at the LR without
+    weight decay."""
+
+    def param_groups(self, model):
+        return [
+            {"params": model.features.parameters(), "lr_mult": 0.1, "name": "backbone"},
+            {"params": model.head.parameters(), "weight_decay": 0.0, "name": "head"},
+        ]
+
+
+class NamedTwice(Task):
+    """A mistake: the head's weight in both groups."""
+
+    def param_groups(self, model):
+        return [{"params": [model.head.weight, *model.features.parameters()]}, {"params": model.head.parameters()}]

@@ -41,6 +41,11 @@ class Findings:
     global_loss: bool = False  # the task's loss gathers from every rank (gather_with_grad)
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient (None: loop.py's plain one)
     no_noise_scale: str | None = None  # why the gradient noise scale is not measured (None: it is)
+    groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
+
+    def optimizer_options(self) -> dict:
+        """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
+        return {"sparse": self.sparse, "groups": self.groups}
 
     @property
     def measures_noise(self) -> bool:
@@ -57,11 +62,20 @@ class Findings:
             notes.append(
                 "the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation"
             )
+        if self.groups:
+            shown = ", ".join(describe_group(group) for group in self.groups)
+            notes.append(f"the task's parameter groups: {shown}")
         if self.sparse:
             notes.append(
                 f"sparse gradients in {', '.join(self.sparse)}: plain SGD steps them, without momentum or weight decay"
             )
         return notes
+
+
+def describe_group(group: dict) -> str:
+    """`backbone (12 tensors, LR x0.1, wd 0)`: one of the task's parameter groups, for the start line."""
+    decay = f", wd {group['weight_decay']:g}" if "weight_decay" in group else ""
+    return f"{group['name']} ({len(group['params'])} tensors, LR x{group['lr_mult']:g}{decay})"
 
 
 def check(task, model: nn.Module, dataset, plan: Plan, setup: Setup) -> Findings:
@@ -71,6 +85,7 @@ def check(task, model: nn.Module, dataset, plan: Plan, setup: Setup) -> Findings
     sum_names = seam.check_task(task, model, dataset, collate)
     if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not plan.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
+    groups = seam.param_groups(task, model)  # by name: the model is sharded or wrapped later
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units = fsdp.shard_units(task, model) if setup.strategy == "fsdp" else []
     seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl)
@@ -85,4 +100,4 @@ def check(task, model: nn.Module, dataset, plan: Plan, setup: Setup) -> Findings
         )
     if plan.auto:
         auto_batch.refuse_auto_without(no_noise_scale)
-    return Findings(sum_names, collate, tuple(sparse), tuple(units), global_loss, accumulation, no_noise_scale)
+    return Findings(sum_names, collate, tuple(sparse), tuple(units), global_loss, accumulation, no_noise_scale, groups)

@@ -122,7 +122,9 @@ class Training:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        """The schedule's LR now: a parameter group's LR over its multiplier (the task's param_groups())."""
+        group = self.optimizer.param_groups[0]
+        return group["lr"] / group.get("lr_mult", 1.0)
 
     @property
     def stopped_early(self) -> bool:
