@@ -27,21 +27,22 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
 
 
 def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None, steps_per_epoch: int = 0) -> Path:
-    """Write run_dir/curves.png: one panel per reported metric (train and validation against epoch; the loss
-    first), and the LR (per step too, when traced). The panels follow metrics.csv's columns, i.e. the task, titled
-    as the task shows them (its `shown_as`, kept in the run's config.json)."""
+    """Write run_dir/curves.png: one panel per reported metric (train and validation against epoch, and the EMA
+    weights' validation with --model-ema; the loss first), and the LR (per step too, when traced). The panels follow
+    metrics.csv's columns, i.e. the task, titled as the task shows them (its `shown_as`, kept in the run's
+    config.json)."""
     rows = read_metrics(run_dir)
     config = Path(run_dir) / "config.json"
     shown = json.loads(config.read_text()).get("task_metrics", {}) if config.is_file() else {}
     epochs = [r["epoch"] for r in rows]
-    names = [k[len("val_") :] for k in rows[0] if k.startswith("val_")]
+    names = [k[len("val_") :] for k in rows[0] if k.startswith("val_") and not k.startswith("val_ema_")]
     noise = [r.get("noise_scale", math.nan) for r in rows]
     measured = any(math.isfinite(v) for v in noise)  # a run that saw two batch sizes per step (training/noise.py)
     panels = len(names) + 1 + measured
     fig = _figure(figsize=(4.6 * panels, 4))
     axes = fig.subplots(1, panels)
     for ax, name in zip(axes, names):
-        for split, label in (("train", "train"), ("val", "validation")):
+        for split, label in (("train", "train"), ("val", "validation"), ("val_ema", "validation, EMA weights")):
             if f"{split}_{name}" in rows[0]:
                 ax.plot(epochs, [r[f"{split}_{name}"] for r in rows], "o-", label=label)
         ax.set(title=shown.get(name, {}).get("title", name), xlabel="epoch", ylabel=name)

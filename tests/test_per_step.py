@@ -35,9 +35,8 @@ def _last(run_dir) -> dict:
         return torch.load(run_dir / "last.pt", weights_only=True)
     whole = full_state(run_dir / "last.dcp")
     state = checkpoint.load(run_dir / "last.dcp", "fsdp")
-    return {"model": whole["model"], "ema": {"weights": whole["ema"], "updates": state["ema"]["updates"]}} | {
-        k: state[k] for k in ("global_step", "epoch")
-    }
+    ema = state["ema"] and {"weights": whole["ema"], "updates": state["ema"]["updates"]}
+    return {"model": whole["model"], "ema": ema, "global_step": state["global_step"], "epoch": state["epoch"]}
 
 
 # ---------------------------------------------------------------- the hook: once per optimizer step taken
@@ -154,8 +153,9 @@ def plain_ema(history: list[dict], decay: float, warmup: bool) -> dict:
 @pytest.mark.timeout(300)
 def test_the_ema_equals_a_plain_ema_over_the_weights_history(tmp_path):
     """2 ranks with accumulation, warmup of the decay: the checkpoint's EMA against the EMA computed here from the
-    weights after every step (saved by the hook on rank 0, with the initial ones) to 1e-6. Break: lerp with weight
-    `decay` instead of 1 - decay, or count updates from 1: off by far more."""
+    weights after every step (saved by the hook on rank 0, with the initial ones) to 1e-6; the last row's val_ema_*
+    are this EMA's evaluation, written here. Break: lerp with weight `decay` instead of 1 - decay, or count updates
+    from 1: off by far more; evaluate without swapping the EMA in: val_ema_* are the weights'."""
     folder = tmp_path / "history"
     argv = [*TASK, "-b", "16", "--accum-steps", "2", "-e", "1", "--model-ema", "0.95", "--model-ema-warmup"]
     result = launch([*argv, "--runs-dir", str(tmp_path), "-n", "e"], env=_env(HOOK_WEIGHTS=folder))
@@ -168,8 +168,25 @@ def test_the_ema_equals_a_plain_ema_over_the_weights_history(tmp_path):
     worst = max((ema[k].double() - expected[k]).abs().max().item() for k in ema)
     assert worst <= 1e-6, worst
     assert not all(torch.equal(ema[k], last["model"][k]) for k in ema)  # an EMA, not the weights
-    columns = _rows(tmp_path / "e")[0]
-    assert {"val_ema_loss", "val_ema_acc"} <= columns.keys() and columns["val_ema_acc"] != columns["val_acc"]
+    row = _rows(tmp_path / "e")[-1]
+    assert (float(row["val_ema_loss"]), float(row["val_ema_acc"])) == pytest.approx(evaluated(ema), rel=1e-5)
+    assert (float(row["val_loss"]), float(row["val_acc"])) == pytest.approx(evaluated(last["model"]), rel=1e-5)
+
+
+def evaluated(weights: dict) -> tuple[float, float]:
+    """The built-in model with `weights`, evaluated here in one process on the whole validation set: (mean
+    cross-entropy, accuracy)."""
+    import torch.nn.functional as F
+
+    from ddp_tricks import models
+    from ddp_tricks.data import images
+
+    _, val = images.digits()
+    model = models.build("toy", 1, 10)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        logits = model.eval()(val.inputs)
+    return F.cross_entropy(logits, val.targets).item(), (logits.argmax(1) == val.targets).double().mean().item()
 
 
 # ---------------------------------------------------------------- model EMA: checkpoints, resume, FSDP
@@ -251,13 +268,63 @@ def test_sigterm_and_resume_of_an_ema_run_are_bit_identical(strategy, uninterrup
 @pytest.mark.timeout(300)
 def test_fsdp_s_ema_is_ddp_s(uninterrupted):
     """The EMA kept on FSDP's shards (each rank its slices, no collective) equals DDP's whole one, parameters and
-    BatchNorm's statistics alike (rank 0's: both save rank 0's buffers). Break: lerp only rank 0's slices."""
+    BatchNorm's statistics alike (rank 0's: both save rank 0's buffers), and FSDP evaluates it as it is. Break: lerp
+    only rank 0's slices; or leave FSDP's gathered root in place around the swap (_free_gathered): the EMA's
+    evaluation then runs with the root's trained weights."""
     ddp, fsdp = _last(uninterrupted / "ddp"), _last(uninterrupted / "fsdp")
     assert ddp["ema"]["weights"].keys() == fsdp["ema"]["weights"].keys()
     worst = max((ddp["ema"]["weights"][k].double() - fsdp["ema"]["weights"][k].double()).abs().max().item()
                 for k in ddp["ema"]["weights"])  # fmt: skip
     assert worst <= 1e-5, worst
     assert ddp["ema"]["updates"] == fsdp["ema"]["updates"] == TOTAL
-    rows = _rows(uninterrupted / "ddp"), _rows(uninterrupted / "fsdp")
-    for a, b in zip(*rows):
-        assert float(a["val_ema_acc"]) == pytest.approx(float(b["val_ema_acc"]), abs=1 / 359)
+    last = _rows(uninterrupted / "fsdp")[-1]  # FSDP's evaluation of its EMA: swapped into the shards it gathers
+    assert (float(last["val_ema_loss"]), float(last["val_ema_acc"])) == pytest.approx(
+        evaluated(fsdp["ema"]["weights"]), rel=1e-5
+    )
+
+
+# ---------------------------------------------------------------- the teacher-student example: BYOL
+
+BYOL = ["--task", "examples/byol.py:BYOL", "--views", "fixed", "--optimizer", "lars", "--bn-bias-separately",
+        "--base-lr", "1", "-b", "32", "-e", "1", "--wd", "1e-4", "--no-progress"]  # fmt: skip
+
+
+def test_byol_s_hook_moves_the_teacher_by_the_cosine_tau():
+    """BYOL's after_step: teacher = tau teacher + (1 - tau) student, tau = 1 - (1 - --tau)(cos(pi progress) + 1) / 2,
+    written out here; the student is left as it is. Break: swap teacher and student in the lerp."""
+    import math
+
+    from ddp_tricks import cli
+
+    flags, task_class = cli.parse([*BYOL, "--tau", "0.9"])
+    task = task_class(flags)
+    task.datasets()
+    model = task.model()
+    teacher, student = model.student_and_teacher()
+    with torch.no_grad():
+        for p in student:
+            p.add_(torch.randn_like(p))
+    before = [p.clone() for p in teacher], [p.clone() for p in student]
+    task.after_step(model, 7, 0.3)
+    tau = 1 - (1 - 0.9) * (math.cos(math.pi * 0.3) + 1) / 2
+    for new, old, s in zip(teacher, *before):
+        assert torch.allclose(new, tau * old + (1 - tau) * s, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(student, before[1]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_byol_trains_on_2_ranks_and_fsdp_s_teacher_is_ddp_s(tmp_path):
+    """The teacher-student example under torchrun (LARS, bn/bias apart), under DDP and under FSDP, where the hook
+    moves each rank's slices of the teacher: both end with the same teacher (1e-5), which has moved from its start
+    and is not the student. Break: update the teacher in loss() (per micro-batch and in evaluation)."""
+    for strategy in ("ddp", "fsdp"):
+        result = launch([*BYOL, "--strategy", strategy, "--runs-dir", str(tmp_path), "-n", strategy])
+        assert result.returncode == 0, result.stderr[-3000:]
+        probe = float(_rows(tmp_path / strategy)[-1]["val_probe_acc"])
+        assert 0.5 < probe <= 1.0, probe
+    ddp, fsdp = _last(tmp_path / "ddp")["model"], _last(tmp_path / "fsdp")["model"]
+    for name in (k for k in ddp if k.startswith("teacher_") and "running" not in k and "num_batches" not in k):
+        assert torch.allclose(ddp[name], fsdp[name], atol=1e-5), name
+        student = ddp[name.removeprefix("teacher_")]
+        assert not torch.equal(ddp[name], student), name

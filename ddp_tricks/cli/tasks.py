@@ -5,6 +5,7 @@ and the validation metric the run follows (`--monitor-metric`, or the task's own
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from ddp_tricks import moved
@@ -17,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]  # where run.py and task.py stand
 
 def load_task(spec: str) -> type:
     """`path/to/file.py:ClassName` (ClassName defaults to Task); a relative path is looked up from the current
-    folder, then beside run.py. The class must have datasets(), model() and loss() (see task.py)."""
+    folder, then beside run.py. The file may import the modules beside it (its folder joins the end of sys.path).
+    The class must have datasets(), model() and loss() (see task.py)."""
     path_text, _, name = spec.partition(":")
     name = name or "Task"
     path = Path(path_text)
@@ -25,6 +27,9 @@ def load_task(spec: str) -> type:
         path = REPO / path
     if path.suffix != ".py" or not path.is_file():
         raise UserError(f"--task {spec!r}: no Python file {path_text!r}; give --task path/to/file.py:ClassName")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # the modules beside the task file import as they would beside a script
+        sys.path.append(folder)
     module_spec = importlib.util.spec_from_file_location(f"task_{path.stem}_{abs(hash(str(path.resolve())))}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
