@@ -217,9 +217,10 @@ def _preempt(argv, run_dir, log, monkeypatch) -> dict:
     anything resumes from it)."""
     monkeypatch.setenv("HOOK_LOG", str(log))
     out, err = preempted(argv, run_dir, ready=lambda: len(hook_calls(log, 0)) >= 30)
-    assert "preempted at epoch 1" in out, (out + err)[-3000:]
+    assert "preempted at epoch" in out or "preempted after epoch" in out, (out + err)[-3000:]
     state = _last(run_dir)
-    assert 30 <= state["global_step"] < TOTAL and state["ema"]["updates"] == state["global_step"]
+    assert 30 <= state["global_step"] < TOTAL
+    assert state["ema"] is None or state["ema"]["updates"] == state["global_step"]
     return state
 
 
@@ -328,3 +329,37 @@ def test_byol_trains_on_2_ranks_and_fsdp_s_teacher_is_ddp_s(tmp_path):
         assert torch.allclose(ddp[name], fsdp[name], atol=1e-5), name
         student = ddp[name.removeprefix("teacher_")]
         assert not torch.equal(ddp[name], student), name
+
+
+# ---------------------------------------------------------------- a family we do not ship: DINO's center
+
+DINO = ["--task", "tests/hook_tasks.py:RecordingDino", "--optimizer", "sgd", "-l", "0.05", "-b", "16", "-e", "2",
+        "--no-progress", "--log-interval", "5"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_dino_task_written_from_the_docs_keeps_its_center_under_ddp_fsdp_and_a_resume(tmp_path, monkeypatch):
+    """tests/hook_tasks.py (a teacher and a center kept by the hook, the center the task's own state, summed in loss()
+    inside training steps only and gathered in the hook) on 2 ranks: FSDP ends where DDP does; SIGTERM + resume
+    is bit-identical, center included, and resumed from the checkpoint's step. Break: drop the task's state_dict()
+    (the center restarts at zero on resume), or let in_training_step() be true in evaluation (validation batches
+    move the center)."""
+    for strategy in ("ddp", "fsdp"):
+        result = launch([*DINO, "--strategy", strategy, "--runs-dir", str(tmp_path), "-n", strategy])
+        assert result.returncode == 0, result.stderr[-3000:]
+    ddp, fsdp = (torch.load(tmp_path / "ddp" / "last.pt", weights_only=True), _last(tmp_path / "fsdp"))
+    fsdp_task = checkpoint.load(tmp_path / "fsdp" / "last.dcp", "fsdp")["task"]
+    assert torch.allclose(ddp["task"]["center"], fsdp_task["center"], atol=1e-5)
+    assert ddp["task"]["center"].abs().sum() > 0
+    assert all(torch.allclose(ddp["model"][k], fsdp["model"][k], atol=1e-5) for k in ddp["model"])
+    argv = [*DINO, "--runs-dir", str(tmp_path), "-n", "p"]
+    saved = _preempt(argv, tmp_path / "p", tmp_path / "before", monkeypatch)
+    monkeypatch.setenv("HOOK_LOG", str(tmp_path / "after"))
+    resumed = launch([*argv, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_resumed(tmp_path / "after", saved)
+    assert _rows(tmp_path / "p") == _rows(tmp_path / "ddp")
+    end = torch.load(tmp_path / "p" / "last.pt", weights_only=True)
+    assert torch.equal(end["task"]["center"], ddp["task"]["center"])
+    assert all(torch.equal(end["model"][k], ddp["model"][k]) for k in ddp["model"])

@@ -31,6 +31,7 @@ from ddp_tricks.training import noise, precise_bn
 from ddp_tricks.training.batches import detached, float_outputs, no_rows, samples_in, to_device
 from ddp_tricks.training.seam import report
 from ddp_tricks.training.state import Training, restore_rng
+from ddp_tricks.training.stepping import training_step
 
 
 def forward(t: Training, model: nn.Module, inputs, targets):
@@ -181,7 +182,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
         # an epoch's short last step gives the ranks micro-batches of different lengths: only there do the task's
         # gathers (its loss's, its metric sums') exchange their row counts, a host read each
-        with uneven_rows() if step.uneven else contextlib.nullcontext():
+        with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
             for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
                 with torch.no_grad():
                     row = batch_sums(t, outputs, targets, loss, units)
