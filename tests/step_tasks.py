@@ -47,6 +47,11 @@ class Recording(Task):
         loss = super().loss(outputs, targets.clamp(min=0))
         return loss + torch.where(bad.any(), torch.nan, 0.0)  # NaN only there: a mask's NaN would reach every gradient
 
+    def shard_units(self, model):
+        """--strategy fsdp: the head is left to the root, which then holds parameters of its own (FSDP keeps those
+        gathered after a forward without backward, such as an evaluation's)."""
+        return [model.features]
+
     def after_step(self, model, step, progress):
         if os.environ.get("HOOK_LOG"):
             line = {"step": step, "progress": progress, "training": model.training, "grad": torch.is_grad_enabled()}

@@ -69,10 +69,11 @@ def test_the_hook_runs_once_per_optimizer_step_on_every_rank(nproc, flags, tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_traced_run_calls_the_hook_once_per_trace_step_on_every_rank(tmp_path):
-    """Every rank takes part in a traced step, also one with no micro-batch in it (doubling.csv's first steps give
-    one rank none at -b 16): each calls the hook. Break: call it only where the rank ran a micro-batch."""
+    """Every rank takes part in a traced step, also one with no micro-batch in it (doubling.csv's first steps, of 32
+    samples, are one micro-batch at -b 32: one rank has none): each calls the hook. Break: call it only where the
+    rank ran a micro-batch."""
     log = tmp_path / "hook"
-    trace = ["--batch-trace", str(REPO / "examples" / "traces" / "doubling.csv"), "-b", "16"]
+    trace = ["--batch-trace", str(REPO / "examples" / "traces" / "doubling.csv"), "-b", "32"]
     result = launch([*TASK, *trace, "-e", "1", "--runs-dir", str(tmp_path), "-n", "t"], env=_env(HOOK_LOG=log))
     assert result.returncode == 0, result.stderr[-3000:]
     total = _last(tmp_path / "t")["global_step"]
@@ -269,9 +270,9 @@ def test_sigterm_and_resume_of_an_ema_run_are_bit_identical(strategy, uninterrup
 @pytest.mark.timeout(300)
 def test_fsdp_s_ema_is_ddp_s(uninterrupted):
     """The EMA kept on FSDP's shards (each rank its slices, no collective) equals DDP's whole one, parameters and
-    BatchNorm's statistics alike (rank 0's: both save rank 0's buffers), and FSDP evaluates it as it is. Break: lerp
-    only rank 0's slices; or leave FSDP's gathered root in place around the swap (_free_gathered): the EMA's
-    evaluation then runs with the root's trained weights."""
+    BatchNorm's statistics alike (rank 0's: both save rank 0's buffers), and FSDP evaluates it as it is (the head
+    is the root's: tests/step_tasks.py's shard_units). Break: lerp only where the rank is 0 (`if rank == 0` around
+    the lerp): rank 1's slices stay at the start."""
     ddp, fsdp = _last(uninterrupted / "ddp"), _last(uninterrupted / "fsdp")
     assert ddp["ema"]["weights"].keys() == fsdp["ema"]["weights"].keys()
     worst = max((ddp["ema"]["weights"][k].double() - fsdp["ema"]["weights"][k].double()).abs().max().item()
@@ -363,3 +364,50 @@ def test_a_dino_task_written_from_the_docs_keeps_its_center_under_ddp_fsdp_and_a
     end = torch.load(tmp_path / "p" / "last.pt", weights_only=True)
     assert torch.equal(end["task"]["center"], ddp["task"]["center"])
     assert all(torch.equal(end["model"][k], ddp["model"][k]) for k in ddp["model"])
+
+
+def _swap_on_shards(rank, world_size):
+    """A sharded model whose root holds parameters (FSDP keeps them gathered after a forward without backward):
+    its outputs before, inside and after the EMA's swapped_in, and the whole model's with each set of weights."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from ddp_tricks.shards import local
+    from ddp_tricks.training.ema import ModelEma
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    whole = copy.deepcopy(model)
+    fully_shard(model[0])
+    fully_shard(model)  # the root: model[2]'s parameters
+    ema = ModelEma(model, 0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            local(p).add_(1.0)  # the weights move on: the EMA (still the start) differs from them
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    model.eval()
+    before = model(x).detach()  # the root's parameters stay gathered
+    with ema.swapped_in(model):
+        inside = model(x).detach()
+    after = model(x).detach()
+    with torch.no_grad():
+        start = whole(x)
+        for p in whole.parameters():
+            p.add_(1.0)
+        moved = whole(x)
+    return before, inside, after, start, moved
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_ema_swapped_into_fsdp_shards_is_what_the_next_forwards_gather():
+    """Inside swapped_in a sharded model computes with the EMA's weights, and after it with its own again, also where
+    the root holds parameters that FSDP keeps gathered between forwards. Break: drop the _free_gathered calls: the
+    forward inside, or the one after, uses the gathered weights of the other set."""
+    from multiproc import run_ranks
+
+    before, inside, after, start, moved = run_ranks(_swap_on_shards, 2, timeout=60)[0]
+    assert torch.allclose(before, moved, atol=1e-6) and torch.allclose(after, moved, atol=1e-6)
+    assert torch.allclose(inside, start, atol=1e-6)
