@@ -57,6 +57,7 @@ def _refused(groups, net=None) -> str:
 
 
 def test_a_parameter_named_twice_or_left_out_or_not_the_model_s_is_one_line():
+    """Break: drop the check for a parameter named twice."""
     twice = _refused(lambda m: [{"params": m.parameters()}, {"params": m[3].parameters(), "name": "head"}])
     assert "'head', names the parameter '3.weight' that 'group 0' names too: give each parameter one group" in twice
     missing = _refused(lambda m: [{"params": m[0].parameters()}])
@@ -70,6 +71,7 @@ def test_a_parameter_named_twice_or_left_out_or_not_the_model_s_is_one_line():
 
 
 def test_frozen_parameters_may_be_left_out_or_named():
+    """Break: keep the frozen parameters a group names: the groups differ."""
     net = _net()
     net[0].requires_grad_(False)
     task = type("T", (), {"param_groups": lambda self, m: [{"params": m.parameters()}]})()
@@ -80,6 +82,7 @@ def test_frozen_parameters_may_be_left_out_or_named():
 
 
 def test_a_task_whose_groups_name_a_parameter_twice_ends_at_start_in_one_line(tmp_path, capsys):
+    """run.py in one process: exit 2, one line, no run folder. Break: drop the check for a parameter named twice."""
     argv = ["--task", "tests/step_tasks.py:NamedTwice", "--runs-dir", str(tmp_path), "--no-progress"]
     assert run.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -193,8 +196,8 @@ def _train_finetune(rank, world_size, strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_each_group_s_effective_lr_is_its_multiplier_times_the_schedule(strategy):
     """Over 1 warmup epoch and a cosine decay to --end-lr, on 2 ranks: each group's LR, and the LR its update shows,
-    is its multiplier x the schedule written out here, at every step (end_lr multiplied too). Break: give the groups
-    `lr` but not `lr_mult` (the schedule then sets every group to the run's LR), or leave end_lr unscaled."""
+    is its multiplier x the schedule written out here, at every step (end_lr multiplied too). Break: leave end_lr
+    unscaled in WarmupDecay.lr_at."""
     seen = run_ranks(_train_finetune, 2, strategy, timeout=240)[0]
     total = 2 * STEPS_PER_EPOCH
     assert len(seen) == total

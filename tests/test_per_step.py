@@ -53,7 +53,7 @@ CASES = {  # (processes: None is plain `python run.py`, flags): steps per epoch 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nproc, flags", CASES.values(), ids=CASES.keys())
 def test_the_hook_runs_once_per_optimizer_step_on_every_rank(nproc, flags, tmp_path):
-    """Break: call the hook per micro-batch (inside the accumulation loop), or in evaluation: the counts differ."""
+    """Break: call the hook per micro-batch (inside the accumulation loop): the counts differ."""
     log = tmp_path / "hook"
     result = launch([*TASK, *flags, "-e", "2", "--runs-dir", str(tmp_path), "-n", "r"], nproc, env=_env(HOOK_LOG=log))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -88,7 +88,7 @@ def test_a_traced_run_calls_the_hook_once_per_trace_step_on_every_rank(tmp_path)
 @pytest.mark.timeout(300)
 def test_a_skipped_step_skips_the_hook_and_the_ema_on_every_rank(tmp_path):
     """--on-nonfinite skip: a step whose loss is NaN (a poisoned sample's) is skipped on every rank, and so are the
-    hook and the EMA update. Break: call after_optimizer_step whatever optimizer_step returns, or in the skip branch."""
+    hook and the EMA update. Break: call after_optimizer_step in the skip branch too."""
     log = tmp_path / "hook"
     argv = [*TASK, "-b", "32", "-e", "1", "--on-nonfinite", "skip", "--model-ema", "0.9"]
     result = launch([*argv, "--runs-dir", str(tmp_path), "-n", "s"], env=_env(HOOK_LOG=log, POISON=100))
@@ -103,7 +103,7 @@ def test_a_skipped_step_skips_the_hook_and_the_ema_on_every_rank(tmp_path):
 
 def test_a_step_the_fp16_scaler_skips_skips_the_hook_and_the_ema():
     """The loop in one process, fp16 on the CPU with a scale that overflows every step (as test_host_syncs): the
-    scaler skips all, so neither the hook nor the EMA runs. Break: drop the took_step check in the loop."""
+    scaler skips all, so neither the hook nor the EMA runs. Break: optimizer_step returns True for a skipped step."""
     from test_host_syncs import overflowing, syncs_per_step, toy
 
     from ddp_tricks.training.ema import ModelEma
@@ -238,8 +238,8 @@ def _assert_resumed(log, saved: dict) -> None:
 def test_sigterm_and_resume_of_an_ema_run_are_bit_identical(strategy, uninterrupted, tmp_path, monkeypatch):
     """Mid-epoch SIGTERM, then --resume auto: every metrics row (val_ema_* too), the weights and the EMA equal the
     uninterrupted run's bit for bit. Under FSDP the same checkpoint also resumes on one process (another world size:
-    DCP cuts the EMA's slices anew), and its EMA goes on from the saved one. Break: leave the EMA out of the
-    checkpoint (resumed from the weights), or restart its update count: the EMA differs."""
+    DCP cuts the EMA's slices anew), and its EMA goes on from the saved one. Break: resume the EMA from the
+    resumed weights instead of the checkpoint's EMA: it differs."""
     argv = [*EMA, *STRATEGIES[strategy], "--runs-dir", str(tmp_path), "-n", "p"]
     saved = _preempt(argv, tmp_path / "p", tmp_path / "before", monkeypatch)
     if strategy == "fsdp":
@@ -319,7 +319,7 @@ def test_byol_s_hook_moves_the_teacher_by_the_cosine_tau():
 def test_byol_trains_on_2_ranks_and_fsdp_s_teacher_is_ddp_s(tmp_path):
     """The teacher-student example under torchrun (LARS, bn/bias apart), under DDP and under FSDP, where the hook
     moves each rank's slices of the teacher: both end with the same teacher (1e-5), which has moved from its start
-    and is not the student. Break: update the teacher in loss() (per micro-batch and in evaluation)."""
+    and is not the student. Break: give the hook the wrapped model (DDP's) instead of the unwrapped one."""
     for strategy in ("ddp", "fsdp"):
         result = launch([*BYOL, "--strategy", strategy, "--runs-dir", str(tmp_path), "-n", strategy])
         assert result.returncode == 0, result.stderr[-3000:]
@@ -343,9 +343,9 @@ DINO = ["--task", "tests/hook_tasks.py:RecordingDino", "--optimizer", "sgd", "-l
 def test_a_dino_task_written_from_the_docs_keeps_its_center_under_ddp_fsdp_and_a_resume(tmp_path, monkeypatch):
     """tests/hook_tasks.py (a teacher and a center kept by the hook, the center the task's own state, summed in loss()
     inside training steps only and gathered in the hook) on 2 ranks: FSDP ends where DDP does; SIGTERM + resume
-    is bit-identical, center included, and resumed from the checkpoint's step. Break: drop the task's state_dict()
-    (the center restarts at zero on resume), or let in_training_step() be true in evaluation (validation batches
-    move the center)."""
+    is bit-identical, center included, and resumed from the checkpoint's step. Break: leave the task's state out
+    of the checkpoint (the center restarts at zero on resume), or let in_training_step() be true everywhere (the
+    checks' and validation batches move the center)."""
     for strategy in ("ddp", "fsdp"):
         result = launch([*DINO, "--strategy", strategy, "--runs-dir", str(tmp_path), "-n", strategy])
         assert result.returncode == 0, result.stderr[-3000:]
