@@ -259,3 +259,25 @@ def test_plot_lr_draws_each_group_at_its_multiplier(tmp_path):
             warmup_cosine(k, total, warmup, 0.02, 0.0001), rel=1e-12
         )
     assert (tmp_path / "p" / "lr_schedule.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_with_parameter_groups_resumes_bit_identically(tmp_path):
+    """One process, warmup + cosine over 2 epochs: stopped after epoch 1 and resumed, the run ends with the
+    uninterrupted run's weights and optimizer groups (their LRs, multipliers and weight decay). Break: drop the
+    groups' multipliers once the optimizer's state is loaded: the schedule sets the backbone to the run's LR."""
+    flags = ["--task", "tests/step_tasks.py:Finetune", "--warmup-epochs", "1", "--scheduler", "cosine", "-b", "64",
+             "--no-progress", "--runs-dir", str(tmp_path)]  # fmt: skip
+    assert run.main([*flags, "-e", "2", "-n", "full"]) == 0
+    assert run.main([*flags, "-e", "1", "-n", "part"]) == 0
+    assert run.main([*flags, "-e", "2", "-n", "part", "--resume", "auto"]) == 0
+    a, b = (torch.load(tmp_path / name / "last.pt", weights_only=True) for name in ("full", "part"))
+    assert a["global_step"] == b["global_step"] == 2 * 23
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in b["optimizer"]["param_groups"]]
+    assert groups == [{k: v for k, v in g.items() if k != "params"} for g in a["optimizer"]["param_groups"]]
+    assert [(g["name"], g["lr_mult"], g["weight_decay"]) for g in groups] == [
+        ("backbone", 0.1, 5e-4),
+        ("head", 1.0, 0.0),
+    ]

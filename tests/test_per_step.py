@@ -411,3 +411,66 @@ def test_the_ema_swapped_into_fsdp_shards_is_what_the_next_forwards_gather():
     before, inside, after, start, moved = run_ranks(_swap_on_shards, 2, timeout=60)[0]
     assert torch.allclose(before, moved, atol=1e-6) and torch.allclose(after, moved, atol=1e-6)
     assert torch.allclose(inside, start, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_best_pt_and_export_say_which_weights_they_hold(uninterrupted, tmp_path):
+    """Every checkpoint says what its weights are; tools/export.py --weights ema writes the EMA's weights under
+    'model' and says so. Break: export the trained weights for --weights ema."""
+    import importlib.util
+
+    best = torch.load(uninterrupted / "ddp" / "best.pt", weights_only=True)
+    assert best["weights"]["model"] == "the trained weights"
+    assert best["weights"]["ema"] == "the EMA of the weights, decay 0.9 with warmup"
+    assert best["weights"]["best"] == "best.pt is the epoch with the best val_loss, that of the trained weights"
+    sharded_best = torch.load(uninterrupted / "fsdp" / "best.pt", weights_only=True)
+    assert sharded_best["ema"]["weights"].keys() == sharded_best["model"].keys()
+    spec = importlib.util.spec_from_file_location("export", REPO / "tools" / "export.py")
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    last = _last(uninterrupted / "fsdp")
+    assert not torch.equal(last["ema"]["weights"]["head.weight"], last["model"]["head.weight"])  # two sets
+    for which in ("trained", "ema"):
+        out = tmp_path / f"{which}.pt"
+        assert export.main([str(uninterrupted / "fsdp" / "last.dcp"), "-o", str(out), "--weights", which]) == 0
+        written = torch.load(out, weights_only=True)
+        expected = last["ema"]["weights"] if which == "ema" else last["model"]
+        said = "the EMA of the weights, decay 0.9 with warmup" if which == "ema" else "the trained weights"
+        assert written["weights"] == said
+        assert all(torch.equal(written["model"][k], expected[k]) for k in expected)
+
+
+def test_monitoring_the_ema_picks_best_pt_by_the_ema_s_metric(tmp_path):
+    """--monitor-metric ema_acc: best.pt is the epoch whose val_ema_acc is highest, and says so. Break: monitor
+    val_acc whatever the flag says."""
+    flags = ["--model-ema", "0.9", "--model-ema-warmup", "--monitor-metric", "ema_acc", "-e", "3", "-b", "128",
+             "--no-progress", "--runs-dir", str(tmp_path), "-n", "m"]  # fmt: skip
+    import run
+
+    assert run.main(flags) == 0
+    rows = _rows(tmp_path / "m")
+    best = torch.load(tmp_path / "m" / "best.pt", weights_only=True)
+    accs = [float(r["val_ema_acc"]) for r in rows]
+    assert best["best"]["metric"] == "val_ema_acc" and best["epoch"] == 1 + accs.index(max(accs))
+    assert best["weights"]["best"] == "best.pt is the epoch with the best val_ema_acc, that of the EMA's weights"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_under_compile_the_hook_and_the_ema_see_the_unwrapped_model(tmp_path, monkeypatch):
+    """--compile (one process, one training graph: 4 steps of 359): the hook runs once per step with the model
+    torch.compile wraps, and the EMA's entries are that model's (no `_orig_mod.` prefix). Break: give the hook and
+    the EMA t.model (the compiled wrapper)."""
+    import run
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # in this process: no pool of compile workers
+    monkeypatch.setenv("HOOK_LOG", str(tmp_path / "hook"))
+    flags = [*TASK, "--compile", "-b", "359", "--drop-last", "--model-ema", "0.9", "-e", "1"]
+    assert run.main([*flags, "--runs-dir", str(tmp_path), "-n", "c"]) == 0
+    last = _last(tmp_path / "c")
+    assert (
+        [c["step"] for c in hook_calls(tmp_path / "hook", 0)] == [1, 2, 3, 4] == list(range(1, last["global_step"] + 1))
+    )
+    assert last["ema"]["updates"] == 4 and last["ema"]["weights"].keys() == last["model"].keys()
+    assert not any(k.startswith("_orig_mod") for k in last["ema"]["weights"])
