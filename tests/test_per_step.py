@@ -460,8 +460,8 @@ def test_monitoring_the_ema_picks_best_pt_by_the_ema_s_metric(tmp_path):
 @pytest.mark.timeout(600)
 def test_under_compile_the_hook_and_the_ema_see_the_unwrapped_model(tmp_path, monkeypatch):
     """--compile (one process, one training graph: 4 steps of 359): the hook runs once per step with the model
-    torch.compile wraps, and the EMA's entries are that model's (no `_orig_mod.` prefix). Break: give the hook and
-    the EMA t.model (the compiled wrapper)."""
+    torch.compile wraps, and the EMA's entries are that model's (no `_orig_mod.` prefix). Break: update the EMA
+    from t.model (the compiled wrapper), whose entries are named otherwise."""
     import run
 
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # in this process: no pool of compile workers
