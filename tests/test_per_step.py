@@ -232,6 +232,7 @@ def _assert_resumed(log, saved: dict) -> None:
         assert [c["step"] for c in hook_calls(log, rank)] == list(range(saved["global_step"] + 1, TOTAL + 1)), rank
 
 
+@pytest.mark.xdist_group("ema-uninterrupted")  # on one worker: the module's shared runs are made once
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -266,6 +267,7 @@ def test_sigterm_and_resume_of_an_ema_run_are_bit_identical(strategy, uninterrup
         assert worst < 1e-4, worst  # the same EMA up to the order of sums (1 process sums the 2 ranks' gradients)
 
 
+@pytest.mark.xdist_group("ema-uninterrupted")  # on one worker: the module's shared runs are made once
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_s_ema_is_ddp_s(uninterrupted):
@@ -413,6 +415,7 @@ def test_the_ema_swapped_into_fsdp_shards_is_what_the_next_forwards_gather():
     assert torch.allclose(inside, start, atol=1e-6)
 
 
+@pytest.mark.xdist_group("ema-uninterrupted")  # on one worker: the module's shared runs are made once
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_best_pt_and_export_say_which_weights_they_hold(uninterrupted, tmp_path):
