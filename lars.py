@@ -285,15 +285,27 @@ def parameter_groups(model: nn.Module, weight_decay: float, bn_bias_separately: 
     """One group, or (bn_bias_separately) weights vs. norm-layer parameters and biases; each param once."""
     if not bn_bias_separately:
         return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    apart = norms_and_biases(model)
     seen: set[int] = set()
     scaled, plain = [], []
     for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
+        for p in module.parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            (plain if isinstance(module, NORM_LAYERS) or name == "bias" else scaled).append(p)
+            (plain if id(p) in apart else scaled).append(p)
     groups = [{"params": scaled, "weight_decay": weight_decay, "lars": True}]
     if plain:
         groups.append({"params": plain, "weight_decay": 0.0, "lars": False})
     return [g for g in groups if g["params"]]
+
+
+def norms_and_biases(model: nn.Module) -> set[int]:
+    """The ids of the parameters `bn_bias_separately` keeps out of LARS scaling and weight decay: every parameter of
+    a normalisation layer, and every bias."""
+    return {
+        id(p)
+        for module in model.modules()
+        for name, p in module.named_parameters(recurse=False)
+        if isinstance(module, NORM_LAYERS) or name == "bias"
+    }

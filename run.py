@@ -39,6 +39,7 @@ from ddp_tricks.schedules import decay_kind, schedule
 from ddp_tricks.storage import checkpoint, run_folder
 from ddp_tricks.traces import batch_trace
 from ddp_tricks.training import auto_batch, loop, preflight
+from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Best, NonFiniteLoss, Training
 
@@ -94,7 +95,7 @@ def run(flags, task, process: launch.Launch) -> int:
         (t.completed_epochs, t.step_in_epoch, t.global_step),
         "the checkpoint each rank resumes from; put the runs folder on storage that every node shares",
     )
-    folder = run_folder.RunFolder(Path(flags.run_dir), dist.is_main, run_folder.metric_columns(task))
+    folder = run_folder.RunFolder(Path(flags.run_dir), dist.is_main, run_folder.metric_columns(task, t.ema is not None))
     record = vars(flags) | plan.summary() | {"val_samples": len(val_set), "task_info": run_folder.task_info(task)}
     record["task_metrics"] = run_folder.task_metrics(task)
     trains = not (flags.eval_only or flags.plot_lr)
@@ -118,11 +119,12 @@ def run(flags, task, process: launch.Launch) -> int:
         log.info(DETERMINISTIC_NOTE)
     if flags.plot_lr:
         if dist.is_main:
-            log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path))
+            log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path, found.groups))
         return 0
     train_loader, val_loader = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
     if flags.eval_only:
         row = {"epoch": t.completed_epochs, "step": t.global_step, "lr": t.lr} | loop.evaluate(t, val_loader)
+        row |= loop.evaluate_ema(t, val_loader)  # --model-ema: the EMA's weights, the same way
         folder.append(row, "eval.csv")  # beside the run's metrics.csv, never into it
         log.info("eval-only: %s -> %s", run_folder.describe(row), folder.path / "eval.csv")
         return 0
@@ -151,6 +153,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
             return failures.PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
         row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | loop.evaluate(t, val_loader)
+        row |= loop.evaluate_ema(t, val_loader)
         row |= {"world_size": t.world_size, "accum_steps": plan.accum_steps}  # the layout that ended the epoch
         improved = t.end_epoch(row)  # plateau, best and early stopping, on the monitored metric
         folder.append(row)
@@ -202,7 +205,8 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     model = model.to(dist.device, memory_format=torch.channels_last if flags.channels_last else torch.preserve_format)
     if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
         model = fsdp.shard(model, found.units, DTYPES[flags.amp])
-    optimizer = optimizers.build(model, lr=plan.lr, sparse=found.sparse, **cli.optimizer_options(flags))
+    optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
+    ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
     apex_amp = None
     if flags.amp_backend == "apex":
         from apex import amp as apex_amp
@@ -246,6 +250,8 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         reduction=reduction,
         best=Best(flags.monitor, mode),
         early_stopping=early_stopping,
+        ema=ema,
+        epochs=flags.epochs,
         accumulation=found.accumulation,
         global_loss=found.global_loss,
         noise=noise,
@@ -263,18 +269,19 @@ def make_schedule(flags, plan: planning.Plan, optimizer, mode: str) -> schedule.
     return schedule.build(optimizer, power=plan.lr_power, plateau_mode=mode, **steps, **cli.schedule_options(flags))
 
 
-def preview_lr(flags, plan: planning.Plan, mode: str, run_dir: Path) -> Path:
-    """The LR of every step of the run (with a trace, times its batch's linear/root factor), drawn and listed."""
-    lrs = schedule.lrs_over_run(
-        lambda opt: make_schedule(flags, plan, opt, mode), plan.lr, plan.run_steps, plan.lr_factor_at, plan.progress_at
-    )
+def preview_lr(flags, plan: planning.Plan, mode: str, run_dir: Path, groups: tuple[dict, ...] = ()) -> Path:
+    """The LR of every step of the run (with a trace, times its batch's linear/root factor; with the task's parameter
+    `groups`, each group's), drawn and listed."""
+    steps, mults = (plan.run_steps, plan.lr_factor_at, plan.progress_at), [g["lr_mult"] for g in groups] or [1.0]
+    lrs = schedule.lrs_over_run(lambda opt: make_schedule(flags, plan, opt, mode), plan.lr, *steps, tuple(mults))
     kind = decay_kind(flags.scheduler, flags.warmup_type)
     note = " (plateau cuts depend on the monitored metric: not shown)" if kind == "plateau" else ""
     title = (
         f"{kind} after {flags.warmup_epochs:g} warmup epochs, LR {plan.lr:.4g} (--lr-scaling {flags.lr_scaling}, "
         f"{plan.describe()}){note}{plan.trace_note()}"
     )
-    return plots.lr_schedule(lrs, plan.steps_per_epoch, run_dir, title)
+    names = [f"{group['name']} (x{group['lr_mult']:g})" for group in groups]
+    return plots.lr_schedule(lrs, plan.steps_per_epoch, run_dir, title, names)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
     cached_accumulation = True   optional: with --accum-steps N, loss() gets the outputs of all N micro-batches of
                                  a step at once (GradCache: exact for a loss over the batch, such as a contrastive
                                  one; costs a second forward, keeps one micro-batch's memory)
+    after_step(self, model, step, progress)  optional: once after every optimizer step taken, on every rank, under
+                                 no_grad, with the unwrapped model, the run's step and its progress in (0, 1]: a
+                                 teacher's EMA, a momentum schedule (examples/byol.py)
+    state_dict(self), load_state_dict(self, state)  optional: the task's own state, checkpointed and resumed
+    param_groups(self, model)    optional: [{"params": ..., "lr_mult": 0.1, "weight_decay": 0.0}, ...]: an LR
+                                 multiplier and weight decay per group of parameters (fine-tuning)
 
 What a task file imports from the template comes from one place: `from ddp_tricks import InMemoryDataset,
 UserError` (raise UserError for a mistake in the task's own flags: one line, exit 2). A loss over the global batch

@@ -1,7 +1,8 @@
 """ddp-tricks' machinery, one module per concern; run.py tells the recipe, task.py what is trained.
 
 A task file imports what it needs from here, the one stable place: `from ddp_tricks import InMemoryDataset,
-UserError`, and for a loss over the global batch `gather_with_grad, rank, world_size`. Importing this package does
+UserError`, for a loss over the global batch `gather_with_grad, rank, world_size`, and `in_training_step` for a
+loss() that keeps a statistic of the step's batches for its per-step hook. Importing this package does
 not import torch (so `run.py --help` answers at once): the names that need it are imported on first use.
 
     cli/          the command line: flags by trick, --config files, --task loading, checks
@@ -25,7 +26,7 @@ from ddp_tricks.errors import UserError
 
 moved.install()  # `import data` and the other old top-level modules fail with a line naming the new home
 
-__all__ = ["InMemoryDataset", "UserError", "gather_with_grad", "rank", "world_size"]
+__all__ = ["InMemoryDataset", "UserError", "gather_with_grad", "rank", "world_size", "in_training_step"]
 _RANKS = ("gather_with_grad", "rank", "world_size")  # distributed/collectives.py: a loss that uses the ranks
 
 
@@ -34,6 +35,10 @@ def __getattr__(name: str):
         from ddp_tricks.data.in_memory import InMemoryDataset
 
         return InMemoryDataset
+    if name == "in_training_step":  # training/stepping.py: a loss() that keeps a statistic of the step's batches
+        from ddp_tricks.training.stepping import in_training_step
+
+        return in_training_step
     if name in _RANKS:
         from ddp_tricks.distributed import collectives
 

@@ -27,21 +27,26 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
 
 
 def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None, steps_per_epoch: int = 0) -> Path:
-    """Write run_dir/curves.png: one panel per reported metric (train and validation against epoch; the loss
-    first), and the LR (per step too, when traced). The panels follow metrics.csv's columns, i.e. the task, titled
-    as the task shows them (its `shown_as`, kept in the run's config.json)."""
+    """Write run_dir/curves.png: one panel per reported metric (train and validation against epoch, and the EMA
+    weights' validation with --model-ema; the loss first), and the LR (per step too, when traced). The panels follow
+    metrics.csv's columns, i.e. the task, titled as the task shows them (its `shown_as`, kept in the run's
+    config.json)."""
     rows = read_metrics(run_dir)
     config = Path(run_dir) / "config.json"
     shown = json.loads(config.read_text()).get("task_metrics", {}) if config.is_file() else {}
     epochs = [r["epoch"] for r in rows]
-    names = list(dict.fromkeys(k.split("_", 1)[1] for k in rows[0] if k.startswith(("train_", "val_"))))
+    names = list(
+        dict.fromkeys(
+            k.split("_", 1)[1] for k in rows[0] if k.startswith(("train_", "val_")) and not k.startswith("val_ema_")
+        )
+    )
     noise = [r.get("noise_scale", math.nan) for r in rows]
     measured = any(math.isfinite(v) for v in noise)  # a run that saw two batch sizes per step (training/noise.py)
     panels = len(names) + 1 + measured
     fig = _figure(figsize=(4.6 * panels, 4))
     axes = fig.subplots(1, panels)
     for ax, name in zip(axes, names):
-        for split, label in (("train", "train"), ("val", "validation")):
+        for split, label in (("train", "train"), ("val", "validation"), ("val_ema", "validation, EMA weights")):
             if f"{split}_{name}" in rows[0]:
                 ax.plot(epochs, [r[f"{split}_{name}"] for r in rows], "o-", label=label)
         ax.set(title=shown.get(name, {}).get("title", name), xlabel="epoch", ylabel=name)
@@ -66,20 +71,27 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
     return out
 
 
-def lr_schedule(lrs: list[float], steps_per_epoch: int, run_dir: str | Path, title: str) -> Path:
-    """run_dir/lr_schedule.png: the learning rate at every optimizer step, epoch boundaries marked; and the
-    numbers in run_dir/lr_schedule.csv."""
+def lr_schedule(
+    lrs: list[list[float]], steps_per_epoch: int, run_dir: str | Path, title: str, groups: list[str] | None = None
+) -> Path:
+    """run_dir/lr_schedule.png: the learning rate at every optimizer step (a line per parameter group: `lrs` holds
+    one list per group, `groups` their names), epoch boundaries marked; and the numbers in run_dir/lr_schedule.csv
+    (`lr`, or one column per group)."""
     run_dir = Path(run_dir)
+    columns = ["lr"] if len(lrs) == 1 else [f"lr_{name}" for name in groups]
     with open(run_dir / "lr_schedule.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["step", "lr"])
-        writer.writerows(enumerate(lrs, start=1))
+        writer.writerow(["step", *columns])
+        writer.writerows((step, *values) for step, values in enumerate(zip(*lrs), start=1))
     path = run_dir / "lr_schedule.png"
     fig = _figure(figsize=(8, 4))
     ax = fig.subplots()
-    steps = range(1, len(lrs) + 1)
-    ax.plot(steps, lrs, lw=1.5)
-    for epoch_end in range(steps_per_epoch, len(lrs), steps_per_epoch):
+    steps = range(1, len(lrs[0]) + 1)
+    for group, values in zip(groups or [None], lrs):
+        ax.plot(steps, values, lw=1.5, label=group)
+    if len(lrs) > 1:
+        ax.legend()
+    for epoch_end in range(steps_per_epoch, len(lrs[0]), steps_per_epoch):
         ax.axvline(epoch_end + 0.5, color="grey", lw=0.5, alpha=0.4)
     ax.set(title=title, xlabel=f"optimizer step ({steps_per_epoch} per epoch; grey lines: epochs)",
            ylabel="learning rate")  # fmt: skip

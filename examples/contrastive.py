@@ -97,12 +97,15 @@ class SimCLRNet(nn.Module):
         self.head = nn.Sequential(
             nn.Linear(hidden, hidden, bias=not batchnorm), *norm, nn.ReLU(), nn.Linear(hidden, dim)
         )
-        self.trained_forwards = 0  # the linear probe is fit again once the weights may have changed
+        self.evaluations = 0  # the linear probe is fit anew for every evaluation (--model-ema swaps other weights in)
+
+    def train(self, mode: bool = True):
+        if not mode:  # every evaluation starts with model.eval()
+            self.evaluations += 1
+        return super().train(mode)
 
     def forward(self, x: torch.Tensor) -> dict:
         n = len(x)
-        if self.training:
-            self.trained_forwards += 1
         views = torch.cat([x[:, 1], x[:, 2]])  # both views in one batch: BatchNorm sees 2n samples, as in SimCLR
         z = self.head(self.encoder(views)).unflatten(0, (2, n)).transpose(0, 1).contiguous()
         return {"z": z} if self.training else {"z": z, "h": self.encoder(x[:, 0])}
@@ -215,10 +218,10 @@ class SimCLR:
     @torch.no_grad()
     def probe(self):
         """The linear probe of the current weights: fit on the frozen encoder's features of the training digits
-        (eval mode: BatchNorm's running statistics, rank 0's at evaluation), again only after training forwards."""
-        if self._probe is None or self._probe_version != self.net.trained_forwards:
+        (eval mode: BatchNorm's running statistics, rank 0's at evaluation), once per evaluation."""
+        if self._probe is None or self._probe_version != self.net.evaluations:
             device = next(self.net.parameters()).device
             images, labels = (t.to(device) for t in self._probe_data)
             self._probe = fit_probe(self.net.encoder(images), labels, self.classes)
-            self._probe_version = self.net.trained_forwards
+            self._probe_version = self.net.evaluations
         return self._probe

@@ -71,6 +71,12 @@ CASES = {
     "trust coefficient without lars": (["--trust-coefficient", "0.01"], "add --optimizer lars or drop"),
     "base batch without scaling": (["--base-batch-size", "64"], "--base-batch-size acts only with --lr-scaling"),
     "trace end without trace": (["--trace-end", "repeat-last"], "--trace-end acts only with --batch-trace FILE"),
+    # model EMA (#37)
+    "model ema decay 1": (["--model-ema", "1"], "--model-ema DECAY must be in (0, 1), e.g. 0.999, got 1.0"),
+    "model ema decay 0": (["--model-ema", "0"], "--model-ema DECAY must be in (0, 1)"),
+    "model ema decay nan": (["--model-ema", "nan"], "--model-ema DECAY must be in (0, 1)"),
+    "model ema warmup without ema": (["--model-ema-warmup"], "--model-ema-warmup acts only with --model-ema DECAY"),
+    "monitor the ema without one": (["--monitor-metric", "ema_acc"], "follows the EMA's weights: add --model-ema"),
 }
 
 

@@ -82,7 +82,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
         config_file.remember(path, {option: file_keys[a.dest] for a in from_file for option in a.option_strings})
     try:
         check(cfg, parser, given_flags(parser, file_argv + argv))
-        cfg.monitor = monitored_metric(task_class, cfg.monitor)
+        cfg.monitor = monitored_metric(task_class, cfg.monitor, ema=cfg.model_ema is not None)
     except UserError as error:
         raise blame(error) from None
     if cfg.config_file is not None:

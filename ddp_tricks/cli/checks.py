@@ -51,6 +51,7 @@ ONLY_WITH = (
         "--strategy ddp",
     ),
     (("prefetch_factor",), lambda cfg: cfg.workers > 0, "--workers N"),
+    (("model_ema_warmup",), lambda cfg: cfg.model_ema is not None, "--model-ema DECAY"),
     (("base_batch_size",), lambda cfg: cfg.lr_scaling != "keep", "--lr-scaling linear or --lr-scaling sqrt"),
 )
 
@@ -125,6 +126,8 @@ def _check_values(cfg: argparse.Namespace) -> None:
         raise UserError(f"--checkpoint-every-steps must be >= 0, got {cfg.checkpoint_every_steps}")
     if cfg.early_stop_patience < 0:
         raise UserError(f"--early-stop-patience must be >= 0, got {cfg.early_stop_patience}")
+    if cfg.model_ema is not None and not 0.0 < cfg.model_ema < 1.0:
+        raise UserError(f"--model-ema DECAY must be in (0, 1), e.g. 0.999, got {cfg.model_ema}")
     if not cfg.clip_grad_norm >= 0:
         raise UserError(f"--clip-grad-norm must be >= 0, got {cfg.clip_grad_norm}")
     if cfg.name is not None and ("/" in cfg.name or cfg.name in ("", ".", "..")):

@@ -287,6 +287,19 @@ def _optimizer_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--lookahead-k", type=positive_int, default=5, help="Lookahead sync period (default: 5)")
     g.add_argument("--lookahead-alpha", type=float, default=0.5, help="Lookahead slow step (default: 0.5)")
     g.add_argument("--clip-grad-norm", type=float, default=0.0, help="clip the global gradient norm (0: off)")
+    g.add_argument(
+        "--model-ema",
+        type=float,
+        default=None,
+        metavar="DECAY",
+        help="keep an EMA of the weights, ema = DECAY x ema + (1 - DECAY) x weights after every optimizer step "
+        "(timm's ModelEmaV3), evaluated every epoch beside them (val_ema_* columns) and checkpointed; e.g. 0.999",
+    )
+    g.add_argument(
+        "--model-ema-warmup",
+        action="store_true",
+        help="the EMA's decay at its update u is min(DECAY, (1 + u) / (10 + u)): the first steps move it more",
+    )
 
 
 def _schedule_flags(g: argparse._ArgumentGroup) -> None:

@@ -5,6 +5,7 @@ and the validation metric the run follows (`--monitor-metric`, or the task's own
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from ddp_tricks import moved
@@ -17,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]  # where run.py and task.py stand
 
 def load_task(spec: str) -> type:
     """`path/to/file.py:ClassName` (ClassName defaults to Task); a relative path is looked up from the current
-    folder, then beside run.py. The class must have datasets(), model() and loss() (see task.py)."""
+    folder, then beside run.py. The file may import the modules beside it (its folder joins the end of sys.path).
+    The class must have datasets(), model() and loss() (see task.py)."""
     path_text, _, name = spec.partition(":")
     name = name or "Task"
     path = Path(path_text)
@@ -25,6 +27,9 @@ def load_task(spec: str) -> type:
         path = REPO / path
     if path.suffix != ".py" or not path.is_file():
         raise UserError(f"--task {spec!r}: no Python file {path_text!r}; give --task path/to/file.py:ClassName")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # the modules beside the task file import as they would beside a script
+        sys.path.append(folder)
     module_spec = importlib.util.spec_from_file_location(f"task_{path.stem}_{abs(hash(str(path.resolve())))}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -49,11 +54,16 @@ def load_task(spec: str) -> type:
     return task_class
 
 
-def monitored_metric(task_class: type, flag: str | None) -> str:
-    """The validation metric the run follows, as `val_<name>`: --monitor (`mae` or `val_mae`) or the task's."""
+def monitored_metric(task_class: type, flag: str | None, ema: bool = False) -> str:
+    """The validation metric the run follows, as `val_<name>`: --monitor (`mae` or `val_mae`; with --model-ema
+    (`ema`) also the EMA weights' `ema_mae`) or the task's."""
     names = ["loss", *getattr(task_class, "better", {})]
     name = flag if flag is not None else getattr(task_class, "monitor", "loss")
     bare = name[4:] if name.startswith("val_") else name
+    if bare.startswith("ema_") and bare[4:] in names and bare not in names:
+        if not ema:
+            raise UserError(f"--monitor-metric {name!r} follows the EMA's weights: add --model-ema DECAY")
+        return f"val_{bare}"
     if bare not in names:
         where = "--monitor-metric" if flag is not None else "the task's monitor"
         raise UserError(
@@ -71,5 +81,7 @@ def monitored_metric(task_class: type, flag: str | None) -> str:
 
 
 def mode_of(task_class, monitor: str) -> str:
-    """'min' or 'max': which way the monitored metric improves."""
-    return "min" if monitor == "val_loss" else getattr(task_class, "better", {})[monitor[4:]]
+    """'min' or 'max': which way the monitored metric improves (the EMA's `val_ema_<name>` as `val_<name>`)."""
+    name = monitor[4:]
+    name = name[4:] if name.startswith("ema_") and name not in getattr(task_class, "better", {}) else name
+    return "min" if name == "loss" else getattr(task_class, "better", {})[name]

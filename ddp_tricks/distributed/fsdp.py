@@ -169,3 +169,14 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+
+
+def free_gathered(model: nn.Module) -> None:
+    """Free the whole parameters a sharded model still holds gathered (FSDP2 keeps the root's after a forward
+    without backward, such as an evaluation's), so that its next forward gathers the slices as they are now: after
+    weights were written into them outside a step (model EMA's evaluation). No collective; nothing unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

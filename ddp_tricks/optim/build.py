@@ -3,13 +3,13 @@ on top when asked. Norm layers and biases can be kept out of LARS scaling and we
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
 from ddp_tricks.optim import NAMES
 from lamb import LAMB
-from lars import LARS, LARSWrapper, parameter_groups
+from lars import LARS, LARSWrapper, norms_and_biases, parameter_groups
 from lookahead import Lookahead
 
 
@@ -29,12 +29,18 @@ def build(
     lookahead_k: int = 5,
     lookahead_alpha: float = 0.5,
     sparse: Collection[str] = (),
+    groups: Sequence[dict] = (),
 ) -> torch.optim.Optimizer:
     """The optimizer `name` over the model's trainable parameters. `sparse`: the names of those that get sparse
     gradients (training/seam.py finds them); only SGD steps them, in a group of their own without weight decay
     (torch cannot add a dense decay to a sparse gradient) and without momentum (torch's buffer for a sparse
-    gradient is never merged: it grows by every step's rows, 16 to 282 entries in 20 steps of a 50-row table)."""
-    groups = parameter_groups(model, weight_decay, bn_bias_separately)
+    gradient is never merged: it grows by every step's rows, 16 to 282 entries in 20 steps of a 50-row table).
+    `groups`: the task's parameter groups by name (seam.param_groups), each with its LR multiplier and weight decay
+    (its LR is `lr` x its multiplier, and the schedules keep that ratio); --bn-bias-separately splits each one."""
+    if groups:
+        groups = task_groups(model, groups, lr, weight_decay, bn_bias_separately)
+    else:
+        groups = parameter_groups(model, weight_decay, bn_bias_separately)
     if sparse:
         if name != "sgd":
             raise ValueError(f"sparse gradients ({', '.join(sparse)}) need SGD, not {name!r}")
@@ -64,6 +70,30 @@ def build(
     if lookahead:
         optimizer = Lookahead(optimizer, k=lookahead_k, alpha=lookahead_alpha)
     return optimizer
+
+
+def task_groups(
+    model: torch.nn.Module, groups: Sequence[dict], lr: float, weight_decay: float, bn_bias_separately: bool
+) -> list[dict]:
+    """The optimizer's groups from the task's (by parameter name): each group's parameters, its LR (`lr` x its
+    `lr_mult`, which the group keeps for the schedules) and its weight decay (`weight_decay` where it names none);
+    with `bn_bias_separately` its norm-layer parameters and biases in a group of their own (no weight decay, no
+    LARS scaling), with the same multiplier."""
+    by_name = dict(model.named_parameters())
+    apart = norms_and_biases(model) if bn_bias_separately else set()
+    result = []
+    for group in groups:
+        params = [by_name[name] for name in group["params"]]
+        mult = group.get("lr_mult", 1.0)
+        options = {"lr": lr * mult, "lr_mult": mult, "name": group.get("name", "")}
+        scaled = [p for p in params if id(p) not in apart]
+        plain = [p for p in params if id(p) in apart]
+        if scaled:
+            result.append({"params": scaled, "weight_decay": group.get("weight_decay", weight_decay), "lars": True})
+            result[-1] |= options
+        if plain:
+            result.append({"params": plain, "weight_decay": 0.0, "lars": False} | options)
+    return result
 
 
 def _sparse_apart(model: torch.nn.Module, groups: list[dict], sparse: set[str]) -> list[dict]:

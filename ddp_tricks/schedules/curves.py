@@ -27,7 +27,8 @@ class WarmupDecay(LRScheduler):
     peaks at b on its last warmup step and trains its last step with end_lr (poly and cosine hold end_lr
     after that). Poly is the original LARS project's curve one step earlier than `PolynomialWarmup` (decay_steps
     = W + D) gives it: that class keeps the original's counter, so the last step of its run misses end_lr by
-    one decay step.
+    one decay step. A parameter group with an `lr_mult` (its base LR b times that multiplier) follows the curve
+    times its multiplier at every step: its end_lr is multiplied too.
     """
 
     def __init__(
@@ -57,20 +58,27 @@ class WarmupDecay(LRScheduler):
         self.gamma = gamma
         super().__init__(optimizer, last_epoch)
 
-    def lr_at(self, base_lr: float, step: int) -> float:
+    def lr_at(self, base_lr: float, step: int, lr_mult: float = 1.0) -> float:
+        """The LR of step `step` for a group whose base LR is `base_lr` (already times its `lr_mult`)."""
         if step < self.warmup_steps:
             return base_lr * (step + 1) / self.warmup_steps
         if self.decay == "step":
             return base_lr * self.gamma ** (step // self.step_size)
         if self.decay == "constant" or self.decay_steps == 0:
             return base_lr
+        end_lr = self.end_lr * lr_mult
         progress = min(step - self.warmup_steps + 1, self.decay_steps) / self.decay_steps
         if self.decay == "poly":
-            return (base_lr - self.end_lr) * (1 - progress) ** self.power + self.end_lr
-        return self.end_lr + (base_lr - self.end_lr) * (1 + math.cos(math.pi * progress)) / 2
+            return (base_lr - end_lr) * (1 - progress) ** self.power + end_lr
+        return end_lr + (base_lr - end_lr) * (1 + math.cos(math.pi * progress)) / 2
+
+    def lrs_at(self, step: int) -> list[float]:
+        """Every parameter group's LR at step `step`."""
+        groups = self.optimizer.param_groups
+        return [self.lr_at(base, step, group.get("lr_mult", 1.0)) for base, group in zip(self.base_lrs, groups)]
 
     def get_lr(self) -> list[float]:
-        return [self.lr_at(base, self.last_epoch) for base in self.base_lrs]
+        return self.lrs_at(self.last_epoch)
 
     _get_closed_form_lr = get_lr
 

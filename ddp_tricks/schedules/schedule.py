@@ -57,23 +57,31 @@ class Schedule:
                 setattr(self.plateau, key, state["plateau"][key])
         if self.plateau is None or self.warming_up:
             groups = self.per_step.optimizer.param_groups
-            for group, base in zip(groups, self.per_step.base_lrs):
-                group["lr"] = self.per_step.lr_at(base, self.per_step.last_epoch)
+            for group, lr in zip(groups, self.per_step.lrs_at(self.per_step.last_epoch)):
+                group["lr"] = lr
             self.per_step._last_lr = [group["lr"] for group in groups]
 
 
 def lrs_over_run(
-    make_schedule, base_lr: float, steps: int, factor_at=lambda step: 1.0, progress_at=lambda step: 1.0
-) -> list[float]:
-    """The LR each of a run's `steps` uses: the schedule stepped (by `progress_at(step)`) on a throwaway optimizer,
-    times `factor_at(step)`."""
+    make_schedule,
+    base_lr: float,
+    steps: int,
+    factor_at=lambda step: 1.0,
+    progress_at=lambda step: 1.0,
+    lr_mults: tuple[float, ...] = (1.0,),
+) -> list[list[float]]:
+    """The LR each of a run's `steps` uses, for each parameter group (one per LR multiplier in `lr_mults`, as the
+    task's param_groups() give them): the schedule stepped (by `progress_at(step)`) on a throwaway optimizer, times
+    `factor_at(step)`. One list per group."""
     import torch
 
-    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": base_lr * m, "lr_mult": m} for m in lr_mults]
+    probe = torch.optim.SGD(groups, lr=base_lr)
     schedule = make_schedule(probe)
-    lrs = []
+    lrs = [[] for _ in lr_mults]
     for step in range(steps):
-        lrs.append(probe.param_groups[0]["lr"] * factor_at(step))
+        for mine, group in zip(lrs, probe.param_groups):
+            mine.append(group["lr"] * factor_at(step))
         probe.step()
         schedule.step(progress_at(step))
     return lrs
@@ -98,5 +106,9 @@ def build(
     )
     plateau = None
     if kind == "plateau":
-        plateau = ReduceLROnPlateau(optimizer, mode=plateau_mode, factor=plateau_factor, patience=plateau_patience)
+        # eps=0: every cut is made, in every group alike (torch skips one smaller than eps: a group at a small LR
+        # multiplier would keep its LR while the others are cut)
+        plateau = ReduceLROnPlateau(
+            optimizer, mode=plateau_mode, factor=plateau_factor, patience=plateau_patience, eps=0.0
+        )
     return Schedule(per_step, plateau)

@@ -119,6 +119,17 @@ def restore_model(model: torch.nn.Module, state: dict, source: str) -> None:
         ) from None
 
 
+def holds(t) -> dict[str, str]:
+    """What a checkpoint's weights are, in words (its "weights" entry): the model's, and with --model-ema the EMA's,
+    and which validation metric picks best.pt (the EMA's `val_ema_*`, or the trained weights')."""
+    words = {"model": "the trained weights"}
+    if t.ema is not None:
+        words["ema"] = t.ema.describe()  # under ["ema"]["weights"]
+    whose = "the EMA's weights" if t.best.metric.startswith("val_ema_") else "the trained weights"
+    words["best"] = f"best.pt is the epoch with the best {t.best.metric}, that of {whose}"
+    return words
+
+
 class Checkpoints:
     """Where and when a run writes its checkpoint (last.pt; sharded: last.dcp) and best.pt: after every epoch,
     every `every_steps` optimizer steps mid-epoch, and when every rank has agreed to stop after SIGTERM. Every
@@ -148,13 +159,15 @@ class Checkpoints:
         t.raise_if_nonfinite(check_weights=True)
         meta = {"config": self.config, "torch_version": str(torch.__version__), "strategy": self.strategy}
         meta["plan"] = self.plan
+        meta["weights"] = holds(t)
         if self.strategy == "fsdp":
             sharded.save(t.state_dict() | meta, self.folder, self._name(t), self.is_main)
             if also_best:
                 weights = sharded.full_weights(t.raw_model)  # a collective: gathered on rank 0
+                ema = None if t.ema is None else t.ema.state_dict() | {"weights": t.ema.full_weights()}  # also
                 if self.is_main:
-                    best = {"model": weights, "epoch": t.completed_epochs, "best": t.best.state_dict()} | meta
-                    save(best, self.folder / "best.pt")
+                    best = {"model": weights, "ema": ema, "epoch": t.completed_epochs, "best": t.best.state_dict()}
+                    save(best | meta, self.folder / "best.pt")
             return
         state = t.state_dict() | meta
         if self.is_main:

@@ -53,13 +53,22 @@ def validation_metrics(task) -> list[str]:
     return names if hasattr(task, "score") else ["loss", *names]
 
 
-def metric_columns(task) -> list[str]:
-    """metrics.csv's columns: the task's reported metrics for training and validation, then the run's numbers."""
+def metric_columns(task, ema: bool = False) -> list[str]:
+    """metrics.csv's columns: the task's reported metrics for training and validation (and with `ema`, --model-ema,
+    the EMA weights' validation metrics), then the run's numbers."""
     names = ["loss", *getattr(task, "better", {})]
     val_names = validation_metrics(task)
-    return ["epoch", "step", *(f"train_{n}" for n in names), *(f"val_{n}" for n in val_names), "lr", "global_batch",
-            "world_size", "accum_steps", "noise_scale", "grad_noise_trace", "grad_sq_norm",
-            "epoch_seconds", "samples_per_second", "skipped_steps"]  # fmt: skip
+    columns = ["epoch", "step", *(f"train_{n}" for n in names), *(f"val_{n}" for n in val_names), "lr", "global_batch",
+               "world_size", "accum_steps", "noise_scale", "grad_noise_trace", "grad_sq_norm",
+               "epoch_seconds", "samples_per_second", "skipped_steps"]  # fmt: skip
+    return with_ema_columns(columns) if ema else columns
+
+
+def with_ema_columns(columns: list[str]) -> list[str]:
+    """`val_ema_<name>` for each `val_<name>` column, right after the last of them."""
+    validation = [c for c in columns if c.startswith("val_") and not c.startswith("val_ema_")]
+    at = columns.index(validation[-1]) + 1
+    return columns[:at] + [f"val_ema_{c.removeprefix('val_')}" for c in validation] + columns[at:]
 
 
 class RunFolder:
@@ -176,9 +185,12 @@ def headline(config: dict, metric: str | None = None) -> dict:
     monitored = config.get("monitor", "val_loss")[len("val_") :]
     name = metric or (next(iter(config.get("task_metrics", {})), "loss") if monitored == "loss" else monitored)
     name = name[len("val_") :] if name.startswith("val_") else name
-    if name not in metrics:
+    ema = name.startswith("ema_") and name not in metrics and name[4:] in metrics  # --model-ema's `ema_<name>`
+    if name not in metrics and not ema:
         raise ValueError(f"the run reports no metric {name!r}; it reports {', '.join(metrics)}")
-    shown = metrics[name]
+    shown = dict(metrics[name[4:] if ema else name])
+    if ema:
+        shown["title"] = f"{shown['title']} (EMA)"
     return {"name": name, "column": f"val_{name}", **shown, "scale": 100.0 if shown["unit"] == "%" else 1.0}
 
 

@@ -32,6 +32,7 @@ from ddp_tricks.training import noise, precise_bn
 from ddp_tricks.training.batches import detached, float_outputs, no_rows, to_device
 from ddp_tricks.training.metric_states import report
 from ddp_tricks.training.state import Training, restore_rng
+from ddp_tricks.training.stepping import training_step
 
 
 def forward(t: Training, model: nn.Module, inputs, targets):
@@ -186,7 +187,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
         # an epoch's short last step gives the ranks micro-batches of different lengths: only there do the task's
         # gathers (its loss's, its metric sums') exchange their row counts, a host read each
-        with uneven_rows() if step.uneven else contextlib.nullcontext():
+        with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
             for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
                 with torch.no_grad():
                     row = batch_sums(t, outputs, targets, loss, units)
@@ -213,8 +214,8 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
             t.steps_in_process += 1
             t.skipped_steps += 1
             step_nonfinite.zero_()
-        else:
-            optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress)
+        elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress):
+            after_optimizer_step(t, run_progress(t.epoch, t.epochs, done, len(steps)))
         t.step_in_epoch = done
         if done % log_interval == 0:
             t.raise_if_nonfinite()
@@ -257,10 +258,10 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     )
 
 
-def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1.0, progress: float = 1.0) -> None:
+def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1.0, progress: float = 1.0) -> bool:
     """One optimizer step at the schedule's LR x `lr_factor`, and one schedule step, by `progress` (a traced step:
     its samples over the reference batch's, or AdaScale's gain); an fp16 step the scaler skips does not advance the
-    schedule."""
+    schedule. Returns whether the step was taken."""
     if t.schedule.warming_up or t.global_step % 10 == 0:
         t.lr_log.append((t.global_step + 1, t.lr * lr_factor))  # host floats: no sync
     took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
@@ -268,8 +269,27 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
     t.steps_in_process += 1
     if not took_step:
         t.skipped_steps += 1
-        return
+        return False
     t.schedule.step(progress)
+    return True
+
+
+def run_progress(epoch: int, epochs: int, done: int, steps: int) -> float:
+    """How far the run is after step `done` of the `steps` of epoch `epoch` (1-based) of `epochs`, in (0, 1]: an
+    untraced run's global step over its total steps, exactly (one division of whole numbers)."""
+    return ((max(epoch, 1) - 1) * steps + done) / (max(epochs, 1) * steps)
+
+
+def after_optimizer_step(t: Training, progress: float) -> None:
+    """What follows an optimizer step that was taken (not a skipped one), on every rank: the task's per-step hook
+    `after_step(model, step, progress)` on the unwrapped model, then the model EMA, which averages what the step
+    and the hook left."""
+    hook = getattr(t.task, "after_step", None)
+    if hook is not None:
+        with torch.no_grad():  # state written in place (a teacher's weights), not part of any graph
+            hook(t.raw_model, t.global_step, progress)
+    if t.ema is not None:
+        t.ema.update(t.raw_model)
 
 
 @torch.no_grad()
@@ -338,3 +358,13 @@ def validation_states(t: Training, model: nn.Module, inputs, targets, units, row
         parts.append(states[name])
     flat = t.scoring.flat(states)
     return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=t.device)
+
+
+def evaluate_ema(t: Training, loader) -> dict[str, float]:
+    """--model-ema: the same evaluation of the EMA's weights (swapped into the model for it), as `val_ema_*`; {}
+    without an EMA."""
+    if t.ema is None:
+        return {}
+    with t.ema.swapped_in(t.raw_model):
+        row = evaluate(t, loader)
+    return {f"val_ema_{name.removeprefix('val_')}": value for name, value in row.items()}

@@ -47,6 +47,11 @@ class Findings:
     sum_shapes: dict = field(default_factory=dict)  # the metric sums that are not scalars: {name: shape}
     scoring: Layout | None = None  # the task's score() states (summed and gathered), which evaluate it (None: its loss)
     own_units: bool = False  # the task counts units of its own (units()): the noise scale's batch sizes are in them
+    groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
+
+    def optimizer_options(self) -> dict:
+        """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
+        return {"sparse": self.sparse, "groups": self.groups}
 
     @property
     def measures_noise(self) -> bool:
@@ -63,11 +68,20 @@ class Findings:
             notes.append(
                 "the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation"
             )
+        if self.groups:
+            shown = ", ".join(describe_group(group) for group in self.groups)
+            notes.append(f"the task's parameter groups: {shown}")
         if self.sparse:
             notes.append(
                 f"sparse gradients in {', '.join(self.sparse)}: plain SGD steps them, without momentum or weight decay"
             )
         return notes
+
+
+def describe_group(group: dict) -> str:
+    """`backbone (12 tensors, LR x0.1, wd 0)`: one of the task's parameter groups, for the start line."""
+    decay = f", wd {group['weight_decay']:g}" if "weight_decay" in group else ""
+    return f"{group['name']} ({len(group['params'])} tensors, LR x{group['lr_mult']:g}{decay})"
 
 
 def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[], Plan]) -> tuple[Plan, Findings]:
@@ -80,6 +94,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
     scoring = seam.check_scoring(task, model, dataset, collate)
     if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not setup.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
+    groups = seam.param_groups(task, model)  # by name: the model is sharded or wrapped later
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units = fsdp.shard_units(task, model) if setup.strategy == "fsdp" else []
     plan = make_plan()
@@ -106,4 +121,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
         sums.shapes,
         scoring,
         hasattr(task, "units"),
+        groups,
     )

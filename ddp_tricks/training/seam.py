@@ -5,6 +5,7 @@ samples, how its evaluation is scored, BatchNorm against one-sample micro-batche
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -194,6 +195,62 @@ def check_sparse(names: list[str], optimizer: str, lars_wrap: bool, strategy: st
         raise UserError(
             f"{what}, which DDP reduces on gloo only (nccl has no sparse all-reduce): pass --backend gloo, {dense}"
         )
+
+
+GROUP_KEYS = ("params", "lr_mult", "weight_decay", "name")  # what a group of the task's param_groups() may say
+
+
+def param_groups(task, model: nn.Module) -> tuple[dict, ...]:
+    """The task's optional `param_groups(model)`, checked before any process group and kept by parameter NAME (the
+    model is sharded or wrapped later, its parameters then other objects): ({"params": [names], "lr_mult",
+    "weight_decay" (absent: --wd), "name"}, ...). Every trainable parameter in exactly one group; frozen ones
+    (requires_grad=False) may be named and are left out. A mistake is one line naming the parameter or the group."""
+    if not callable(getattr(task, "param_groups", None)):
+        return ()
+    groups = task.param_groups(model)
+    fix = 'return a list of dicts, e.g. [{"params": model.head.parameters(), "lr_mult": 1.0}, ...]'
+    if not isinstance(groups, (list, tuple)) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise UserError(f"the task's param_groups() gave {describe(groups)[:60]}, not a list of groups: {fix}")
+    names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
+    owner: dict[int, str] = {}
+    found = []
+    for i, group in enumerate(groups):
+        label = str(group.get("name", f"group {i}"))
+        where = f"the task's param_groups(), {label!r},"
+        unknown = sorted(set(group) - set(GROUP_KEYS))
+        if unknown or "params" not in group:
+            what = f"the key {unknown[0]!r}" if unknown else "no 'params'"
+            raise UserError(f"{where} has {what}: a group takes {', '.join(map(repr, GROUP_KEYS))}")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if id(p) not in names:
+                raise UserError(f"{where} holds {describe(p)[:60]}, which is not a parameter of the model it was given")
+            if id(p) in owner:
+                raise UserError(
+                    f"{where} names the parameter {names[id(p)]!r} that {owner[id(p)]!r} names too: give each "
+                    "parameter one group"
+                )
+            owner[id(p)] = label
+        numbers = {"lr_mult": group.get("lr_mult", 1.0)}
+        if "weight_decay" in group:
+            numbers["weight_decay"] = group["weight_decay"]
+        for key, value in numbers.items():
+            positive = key == "lr_mult"
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or not (value > 0 if positive else value >= 0):
+                raise UserError(f"{where} {key} must be a number {'>' if positive else '>='} 0, got {value!r}")
+        kept = [names[id(p)] for p in params if p.requires_grad]
+        if kept:
+            found.append({"params": kept, "name": label} | {k: float(v) for k, v in numbers.items()})
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise UserError(
+            f"the task's param_groups() leaves out the trainable parameter(s) {shown}: every one needs a group (put "
+            "the rest in one with lr_mult 1.0), or freeze it (requires_grad=False)"
+        )
+    return tuple(found)
 
 
 def _call(method, first, second, problem: str, fix: str):

@@ -23,6 +23,7 @@ from ddp_tricks.errors import UserError
 from ddp_tricks.schedules.schedule import Schedule
 from ddp_tricks.shards import local
 from ddp_tricks.storage import sharded
+from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.metric_states import Layout
 from ddp_tricks.training.noise import MicroBatches, NoiseScale
 from ddp_tricks.training.precision import Precision
@@ -95,6 +96,8 @@ class Training:
     scoring: Layout | None = None  # the states of the task's score(), which evaluates in place of loss and sums
     best: Best | None = None  # the monitored metric's best so far (None: not followed)
     early_stopping: EarlyStopping | None = None
+    ema: ModelEma | None = None  # --model-ema: the EMA of the weights, stepped after every optimizer step taken
+    epochs: int = 1  # the run's --epochs: the task's per-step hook is told how far the run is (its `progress`)
     rank: int = 0
     world_size: int = 1
     epoch: int = 0  # the epoch being trained (or last trained)
@@ -143,7 +146,9 @@ class Training:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        """The schedule's LR now: a parameter group's LR over its multiplier (the task's param_groups())."""
+        group = self.optimizer.param_groups[0]
+        return group["lr"] / group.get("lr_mult", 1.0)
 
     @property
     def stopped_early(self) -> bool:
@@ -238,6 +243,8 @@ class Training:
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
             "best": self.best.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,  # sharded like the model under FSDP
+            "task": self.task.state_dict() if callable(getattr(self.task, "state_dict", None)) else None,  # rank 0's
             "rng": rng,
             "world_size": self.world_size,
         }
@@ -273,6 +280,10 @@ class Training:
             self.adascale.load_state_dict(state["adascale"])
         if self.noise is not None and state.get("noise") is not None:
             self.noise.unpack(resume_rows(state["noise"], self.rank, self.world_size, mean=True))
+        if self.ema is not None:  # a checkpoint without one: the EMA starts from the resumed weights
+            self.ema.load_state_dict(state.get("ema"), self.raw_model)
+        if state.get("task") is not None and callable(getattr(self.task, "load_state_dict", None)):
+            self.task.load_state_dict(state["task"])
         self.global_step = self.first_global_step = state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.completed_epochs = self.epoch = state["epoch"]
