@@ -164,8 +164,10 @@ def _train_finetune(rank, world_size, strategy):
     task = task_class(flags)
     train_set, val_set = task.datasets()
     model = task.model()
-    plan = run.make_plan(flags, len(train_set), world_size)
-    found = preflight.check(task, model, train_set, plan, preflight.Setup(world_size, **cli.check_options(flags)))
+    setup = preflight.Setup(world_size, **cli.check_options(flags))
+    plan, found = preflight.check(
+        task, model, train_set, setup, lambda: run.make_plan(flags, len(train_set), world_size)
+    )
     dist = Dist(rank, world_size, rank, CPU, "gloo")
     t = run.build_training(flags, task, model, found, plan, dist)
     loader, _ = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
