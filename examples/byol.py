@@ -21,10 +21,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from contrastive import FIXED_SEED, Encoder, Views, fit_probe, fixed_views  # beside this file
+from contrastive import Encoder, TwoViews  # beside this file
 from torch import nn
 
-from ddp_tricks import UserError, gather_with_grad
+from ddp_tricks import UserError
 
 
 def mlp(features: int, hidden: int, out: int) -> nn.Sequential:
@@ -80,12 +80,9 @@ def byol_loss(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (4 - 2 * cos).sum() / max(len(p), 1)
 
 
-class BYOL:
-    """BYOL on the digits; see the module's docstring."""
-
-    better = {"top1": "max", "probe_acc": "max"}
-    monitor = "probe_acc"
-    shown_as = {"probe_acc": ("linear-probe accuracy", "%"), "top1": ("contrastive top-1", "%")}
+class BYOL(TwoViews):
+    """BYOL on the digits; see the module's docstring. Its views and evaluation (the contrastive top-1 of the
+    student's projections, the linear probe of its encoder) are SimCLR's (TwoViews)."""
 
     @staticmethod
     def add_arguments(parser) -> None:
@@ -103,20 +100,6 @@ class BYOL:
         if args.width < 1 or args.projection_dim < 1:
             raise UserError("--width and --projection-dim must be positive")
         self.args = args
-        self._probe, self._probe_version = None, None
-
-    def datasets(self):
-        from ddp_tricks.data import images
-
-        train, val = images.digits()
-        background = float(train.inputs.min())
-        self.classes = int(train.targets.max()) + 1
-        self._probe_data = (train.inputs, train.targets)
-        if self.args.views == "fixed":
-            train_set = fixed_views(train.inputs, train.targets, background, FIXED_SEED)
-        else:
-            train_set = Views(train.inputs, train.targets, background)
-        return train_set, fixed_views(val.inputs, val.targets, background, FIXED_SEED + 1)
 
     def model(self):
         self.net = BYOLNet(self.args.width, self.args.projection_dim)
@@ -134,32 +117,3 @@ class BYOL:
         the teacher moves toward the student."""
         teacher, student = model.student_and_teacher()
         torch._foreach_lerp_(teacher, student, 1 - self.tau(progress))
-
-    def metric_sums(self, outputs, targets):
-        """As examples/contrastive.py: the contrastive top-1 of the student's projections over the global batch,
-        and (evaluation) the images the linear probe classifies right."""
-        z = F.normalize(outputs["z"], dim=-1)
-        everyone, offset = gather_with_grad(z, return_offset=True)
-        n, total = len(z), len(everyone)
-        flat = torch.cat([everyone[:, 0], everyone[:, 1]])
-        mine = torch.arange(offset, offset + n, device=z.device)
-        similarity = torch.cat([z[:, 0], z[:, 1]]) @ flat.T
-        similarity[torch.arange(2 * n, device=z.device), torch.cat([mine, mine + total])] = -torch.inf
-        positives = torch.cat([mine + total, mine])
-        sums = {"top1": (similarity.argmax(1) == positives).sum() if n else torch.zeros((), device=z.device)}
-        if "h" not in outputs:
-            return sums | {"probe": torch.full((), torch.nan, device=z.device)}
-        return sums | {"probe": (self.probe()(outputs["h"]).argmax(1) == targets).sum()}
-
-    def metrics(self, sums, count):
-        return {"top1": sums["top1"] / (2 * count), "probe_acc": sums["probe"] / count}
-
-    @torch.no_grad()
-    def probe(self):
-        """The linear probe of the student's encoder as it is in this evaluation (fit once per evaluation)."""
-        if self._probe is None or self._probe_version != self.net.evaluations:
-            device = next(self.net.parameters()).device
-            images, labels = (t.to(device) for t in self._probe_data)
-            self._probe = fit_probe(self.net.encoder(images), labels, self.classes)
-            self._probe_version = self.net.evaluations
-        return self._probe

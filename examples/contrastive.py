@@ -142,35 +142,14 @@ def fit_probe(features: torch.Tensor, labels: torch.Tensor, classes: int, l2: fl
     return lambda h: (h - mean) / std @ weight + bias
 
 
-class SimCLR:
-    """SimCLR on the digits; see the module's docstring."""
+class TwoViews:
+    """What SimCLR and BYOL (examples/byol.py) share: the digits in two views, and their evaluation, the contrastive
+    top-1 of the projections over the global batch and a linear probe of the encoder. A subclass sets `self.args`
+    (with its --views) and builds `self.net` (with `encoder` and `evaluations`) in model()."""
 
     better = {"top1": "max", "probe_acc": "max"}
     monitor = "probe_acc"
     shown_as = {"probe_acc": ("linear-probe accuracy", "%"), "top1": ("contrastive top-1", "%")}
-
-    @staticmethod
-    def add_arguments(parser) -> None:
-        g = parser.add_argument_group("task: SimCLR on the digits (examples/contrastive.py)")
-        g.add_argument("--temperature", type=float, default=0.2, help="NT-Xent's temperature")
-        g.add_argument("--width", type=int, default=32, help="the encoder's first convolution's channels")
-        g.add_argument("--projection-dim", type=int, default=32, help="the projection head's output size")
-        g.add_argument("--encoder-norm", choices=("batch", "none"), default="batch",
-                       help="BatchNorm in the encoder and head, or none")  # fmt: skip
-        g.add_argument("--views", choices=("random", "fixed"), default="random",
-                       help="random: new views every batch; fixed: drawn once per image (for tests)")  # fmt: skip
-        g.add_argument("--accumulation", choices=("cached", "plain"), default="cached",
-                       help="with --accum-steps N: cached: the loss over the whole step (GradCache); plain: over "
-                            "each micro-batch alone")  # fmt: skip
-
-    def __init__(self, args):
-        if not args.temperature > 0:
-            raise UserError(f"--temperature must be > 0, got {args.temperature}")
-        if args.width < 1 or args.projection_dim < 1:
-            raise UserError("--width and --projection-dim must be positive")
-        self.args = args
-        self.cached_accumulation = args.accumulation == "cached"  # the seam: the loss is over the step's batch
-        self._probe, self._probe_version = None, None
 
     def datasets(self):
         from ddp_tricks.data import images
@@ -179,21 +158,12 @@ class SimCLR:
         background = float(train.inputs.min())  # a blank pixel, standardised
         self.classes = int(train.targets.max()) + 1
         self._probe_data = (train.inputs, train.targets)  # the probe's training set: the clean training digits
+        self._probe, self._probe_version = None, None
         if self.args.views == "fixed":
             train_set = fixed_views(train.inputs, train.targets, background, FIXED_SEED)
         else:
             train_set = Views(train.inputs, train.targets, background)
         return train_set, fixed_views(val.inputs, val.targets, background, FIXED_SEED + 1)
-
-    def model(self):
-        self.net = SimCLRNet(self.args.width, self.args.projection_dim, self.args.encoder_norm == "batch")
-        return self.net
-
-    def loss(self, outputs, targets):
-        """NT-Xent over the global batch: every rank's pairs gathered, each rank computing the same loss (a rank's
-        gradient reaches its own embeddings; DDP's average then gives one process's gradient)."""
-        z = gather_with_grad(F.normalize(outputs["z"], dim=-1))
-        return nt_xent(z[:, 0], z[:, 1], self.args.temperature)
 
     def metric_sums(self, outputs, targets):
         """top1: of this rank's 2n views, those whose nearest other embedding in the global batch is their pair's
@@ -225,3 +195,39 @@ class SimCLR:
             self._probe = fit_probe(self.net.encoder(images), labels, self.classes)
             self._probe_version = self.net.evaluations
         return self._probe
+
+
+class SimCLR(TwoViews):
+    """SimCLR on the digits; see the module's docstring."""
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        g = parser.add_argument_group("task: SimCLR on the digits (examples/contrastive.py)")
+        g.add_argument("--temperature", type=float, default=0.2, help="NT-Xent's temperature")
+        g.add_argument("--width", type=int, default=32, help="the encoder's first convolution's channels")
+        g.add_argument("--projection-dim", type=int, default=32, help="the projection head's output size")
+        g.add_argument("--encoder-norm", choices=("batch", "none"), default="batch",
+                       help="BatchNorm in the encoder and head, or none")  # fmt: skip
+        g.add_argument("--views", choices=("random", "fixed"), default="random",
+                       help="random: new views every batch; fixed: drawn once per image (for tests)")  # fmt: skip
+        g.add_argument("--accumulation", choices=("cached", "plain"), default="cached",
+                       help="with --accum-steps N: cached: the loss over the whole step (GradCache); plain: over "
+                            "each micro-batch alone")  # fmt: skip
+
+    def __init__(self, args):
+        if not args.temperature > 0:
+            raise UserError(f"--temperature must be > 0, got {args.temperature}")
+        if args.width < 1 or args.projection_dim < 1:
+            raise UserError("--width and --projection-dim must be positive")
+        self.args = args
+        self.cached_accumulation = args.accumulation == "cached"  # the seam: the loss is over the step's batch
+
+    def model(self):
+        self.net = SimCLRNet(self.args.width, self.args.projection_dim, self.args.encoder_norm == "batch")
+        return self.net
+
+    def loss(self, outputs, targets):
+        """NT-Xent over the global batch: every rank's pairs gathered, each rank computing the same loss (a rank's
+        gradient reaches its own embeddings; DDP's average then gives one process's gradient)."""
+        z = gather_with_grad(F.normalize(outputs["z"], dim=-1))
+        return nt_xent(z[:, 0], z[:, 1], self.args.temperature)
