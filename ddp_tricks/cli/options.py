@@ -76,7 +76,8 @@ def check_options(flags: argparse.Namespace) -> dict:
         "optimizer": flags.optimizer,
         "lars_wrap": flags.lars_wrap,
         "apex": flags.amp_backend == "apex",
-        "ddp_waits_for_every_gradient": not (flags.find_unused_parameters or flags.static_graph),
+        "ddp_waits_for_every_gradient": flags.strategy == "ddp"
+        and not (flags.find_unused_parameters or flags.static_graph),
         "traced": flags.batch_trace is not None,
         "noise_scale": flags.noise_scale,
     }

@@ -1,10 +1,14 @@
 """`--strategy fsdp`: the model sharded with PyTorch's FSDP2 (`fully_shard`), every rank holding a slice of each
 parameter, its gradient and its optimizer state. The units that gather and free their parameters together are
-the task's (`shard_units(model)`), or by default each direct child of the model that holds parameters (children
-that share a parameter, a tied embedding and output projection, as one unit: FSDP2 keeps a parameter in one
-unit); the root takes the rest. Mixed precision is FSDP's policy: parameters gathered in the --amp dtype,
-gradients reduced in float32, BatchNorm layers kept in float32 as their own units (their running statistics are
-float32).
+the task's (`shard_units(model)`), or by default each direct child of the model that holds parameters, a
+ModuleList's or ModuleDict's element by element (a container has no forward for FSDP to hook: torchtitan shards
+`model.layers` so), children that share a parameter (a tied embedding and output projection) as one unit (FSDP2
+keeps a parameter in one unit); the root takes the rest. A unit whose forward some of the start-up check's forwards
+skip (a mixture of experts' expert, a conditional branch) goes back into the unit that holds it: its all-gather
+would wait for the ranks that skip it. Parameters unused on a rank get zero gradients in the reduce-scatter, so
+ranks that use different experts reduce the same tensors. Mixed precision is FSDP's policy: parameters gathered
+in the --amp dtype, gradients reduced in float32, BatchNorm layers kept in float32 as their own units (their
+running statistics are float32).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def shard_units(task, model: nn.Module) -> list[Unit]:
     submodule of the model, and units that split a shared parameter between them."""
     if not hasattr(task, "shard_units"):
         return default_units(model)
-    units = [list(unit) if isinstance(unit, (list, tuple)) else unit for unit in task.shard_units(model)]
+    units = [_as_unit(unit) for unit in task.shard_units(model)]
     inside = {id(m) for m in model.modules()}
     for unit in (m for u in units for m in (u if isinstance(u, list) else [u])):
         if not isinstance(unit, nn.Module) or id(unit) not in inside or unit is model:
@@ -55,11 +59,32 @@ def shard_units(task, model: nn.Module) -> list[Unit]:
     return units
 
 
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: fully_shard refuses them
+
+
+def _as_unit(unit) -> Unit:
+    """A unit as shard() takes it: a list or tuple of modules, or a ModuleList / ModuleDict (its elements, sharded
+    together: a container has no forward for FSDP to hook), as a list; a module as it is."""
+    if isinstance(unit, (list, tuple)):
+        return [m for u in unit for m in _members(_as_unit(u))]
+    if isinstance(unit, CONTAINERS):
+        return [m for u in (unit.values() if isinstance(unit, nn.ModuleDict) else unit) for m in _members(_as_unit(u))]
+    return unit
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """A child as default units: itself, or a ModuleList's / ModuleDict's elements (nested ones, element by
+    element), those that hold parameters."""
+    if isinstance(module, CONTAINERS):
+        return [block for child in module.children() for block in _blocks(child)]
+    return [module] if any(True for _ in module.parameters()) else []
+
+
 def default_units(model: nn.Module) -> list[Unit]:
-    """Each direct child of the model that holds parameters; children that share a parameter become one unit
-    (FSDP2 takes a list of modules since torch 2.5), and a child that shares one with the model's own
-    parameters is left to the root."""
-    units: list[list[nn.Module]] = [[child] for child in model.children() if any(True for _ in child.parameters())]
+    """Each direct child of the model that holds parameters, a ModuleList's or ModuleDict's elements each as a unit
+    (every transformer's `self.layers`); children that share a parameter become one unit (FSDP2 takes a list of
+    modules since torch 2.5), and a child that shares one with the model's own parameters is left to the root."""
+    units: list[list[nn.Module]] = [[block] for child in model.children() for block in _blocks(child)]
     while (split := _split_parameter(model, units)) is not None:
         _, holders = split
         if None in holders:  # shared with what the root holds: the root takes them too
@@ -68,6 +93,45 @@ def default_units(model: nn.Module) -> list[Unit]:
             merged = [m for i in holders for m in units[i]]
             units = [u for i, u in enumerate(units) if i not in holders] + [merged]
     return [unit[0] if len(unit) == 1 else unit for unit in units]
+
+
+def skipped(units: list[Unit], calls: list[set[int]]) -> list[int]:
+    """The indices of the units that some forward skipped: `calls` holds, for each of the start-up check's forwards,
+    the ids of the modules it called; a unit is skipped where a forward called the model but not all its modules."""
+    return [i for i, unit in enumerate(units) if any(not {id(m) for m in _members(unit)} <= called for called in calls)]
+
+
+def describe_units(model: nn.Module, units: list[Unit], folded: list[Unit] = ()) -> str:
+    """The units for the start line: `FSDP units (5): 'embed', 'layers.0'-'layers.3' ...; the root holds the rest`,
+    consecutive elements of a ModuleList as a range; `folded`: the units left to the module that holds them."""
+    names = [" + ".join(repr(_module_name(model, m)) for m in _members(unit)) for unit in units]
+    shown = ", ".join(_ranges(names)) if names else "none"
+    line = f"FSDP units ({len(units)}): {shown}; the root holds the rest"
+    if folded:
+        gone = ", ".join(_ranges([" + ".join(repr(_module_name(model, m)) for m in _members(u)) for u in folded]))
+        line += (
+            f"; {gone}: skipped by some of the start-up check's forwards (a mixture of experts' expert, a branch), "
+            "so sharded with the unit that holds them (a unit whose forward a rank skips would leave the others "
+            "waiting in its all-gather)"
+        )
+    return line
+
+
+def _ranges(names: list[str]) -> list[str]:
+    """'layers.0', 'layers.1', 'layers.2' -> 'layers.0'-'layers.2': consecutive numbered elements as one range."""
+    shown, i = [], 0
+    while i < len(names):
+        j = i
+        while j + 1 < len(names) and _next_of(names[j]) == names[j + 1]:
+            j += 1
+        shown.append(names[i] if j == i else f"{names[i]}-{names[j]}")
+        i = j + 1
+    return shown
+
+
+def _next_of(name: str) -> str | None:
+    head, _, last = name.strip("'").rpartition(".")
+    return f"'{head}.{int(last) + 1}'" if head and last.isdigit() else None
 
 
 def _members(unit: Unit) -> list[nn.Module]:
@@ -162,7 +226,67 @@ def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None)
         if members:
             fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=policy)
             done |= {id(m) for m in members}
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+    model = fully_shard(model, mesh=mesh, mp_policy=policy)
+    zero_unused_gradients(model)
+    return model
+
+
+def zero_unused_gradients(model: nn.Module, torch_switch: bool | None = None) -> None:
+    """Every unit reduce-scatters every parameter that requires a gradient, a zero gradient where this rank's step
+    did not use it (an expert no sample chose): FSDP2 otherwise reduce-scatters only the parameters that got one, and
+    ranks that used different experts would pair different tensors (pytorch#158719). torch's own switch where it has
+    it (`set_reduce_scatter_unused_params`); before, a forward hook on each unit ties every parameter to the unit's
+    output with a zero weight while they are gathered, so each gets a zero gradient of its own (`torch_switch`:
+    False takes the hook where torch has the switch, for the tests)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if torch_switch is None:
+        torch_switch = hasattr(model, "set_reduce_scatter_unused_params")
+    if torch_switch:
+        model.set_reduce_scatter_unused_params(True)
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.register_forward_hook(_tie_parameters, prepend=True)  # before FSDP's: the whole parameters
+
+
+def _tie_parameters(module: nn.Module, args, output):
+    """The unit's first floating output that requires a gradient, plus zero times one element of each of the unit's
+    own parameters (the whole ones, gathered): backward then gives each parameter a gradient, zeros where unused."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not torch.is_grad_enabled():
+        return output
+    inside = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
+    params = [p for p in module.parameters() if p.requires_grad and id(p) not in inside]
+    if not params:
+        return output
+    zero = torch.stack([p.reshape(-1)[0] for p in params if p.numel()]).sum() * 0
+    return _add_to_first(output, zero)[0]
+
+
+def _add_to_first(value, zero: torch.Tensor):
+    """(value with `zero` added to its first floating tensor that requires a gradient, whether one was found),
+    through tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        found = value.is_floating_point() and value.requires_grad
+        return (value + zero.to(value.dtype) if found else value), found
+    items = (
+        list(value.items())
+        if isinstance(value, dict)
+        else list(enumerate(value))
+        if isinstance(value, (tuple, list))
+        else []
+    )
+    for key, item in items:
+        changed, found = _add_to_first(item, zero)
+        if found:
+            if isinstance(value, dict):
+                return {**value, key: changed}, True
+            parts = list(value)
+            parts[key] = changed
+            return (type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)), True
+    return value, False
 
 
 def is_sharded(model: nn.Module) -> bool:

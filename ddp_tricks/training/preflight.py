@@ -48,6 +48,7 @@ class Findings:
     scoring: Layout | None = None  # the task's score() states (summed and gathered), which evaluate it (None: its loss)
     own_units: bool = False  # the task counts units of its own (units()): the noise scale's batch sizes are in them
     groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
+    shard_line: str | None = None  # --strategy fsdp: the units, for the start line (fsdp.describe_units)
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -59,7 +60,7 @@ class Findings:
 
     def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
         """What the run's log says about them at its start."""
-        notes = []
+        notes = [self.shard_line] if self.shard_line else []
         if self.measures_noise:
             notes.append(auto_batch.describe(plan, self.own_units))
         elif noise_flag:
@@ -96,7 +97,13 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
     groups = seam.param_groups(task, model)  # by name: the model is sharded or wrapped later
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
-    units = fsdp.shard_units(task, model) if setup.strategy == "fsdp" else []
+    units, shard_line = [], None
+    if setup.strategy == "fsdp":
+        units = fsdp.shard_units(task, model)
+        skipped = fsdp.skipped(units, seam.module_calls(model, dataset, collate))
+        folded = [units[i] for i in skipped]
+        units = [unit for i, unit in enumerate(units) if i not in skipped]
+        shard_line = fsdp.describe_units(model, units, folded)
     plan = make_plan()
     seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl)
     seam.check_batchnorm(model, dataset, collate, plan.smallest_micro_batch, plan.why_small())
@@ -122,4 +129,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
         scoring,
         hasattr(task, "units"),
         groups,
+        shard_line,
     )

@@ -1,0 +1,111 @@
+"""FSDP's units fit the layouts models have (#39): blocks in a ModuleList are sharded element by element (not a raw
+traceback from fully_shard), and a mixture of experts whose router leaves experts uncalled on a rank trains, with the
+experts inside one unit and with each its own unit, as DDP with --find-unused-parameters does (2 ranks, run.py as
+torchrun starts it, tests/layout_tasks.py)."""
+
+import pytest
+import torch
+from multiproc import launch
+
+TASKS = "tests/layout_tasks.py"
+TOLERANCE = 2e-5  # float32, 24 SGD steps: FSDP reduce-scatters what DDP all-reduces, in another order
+# An expert that no rank used in a step: DDP leaves its gradient None and SGD skips it; FSDP gives it a zero gradient,
+# which momentum and weight decay still step. Plain SGD makes the two the same update.
+PLAIN_SGD = ("--momentum", "0", "--wd", "0")
+
+
+def _weights(tmp_path, name, task, *flags):
+    """run.py's final weights after 2 epochs of `task` on 2 ranks (best.pt, the same under DDP and FSDP: the last
+    epoch's validation loss is the lower here), and its log."""
+    args = ["--task", f"{TASKS}:{task}", "-b", "16", "-e", "2", "--lr", "0.05", "--seed", "3",
+            "--runs-dir", str(tmp_path), "--name", name, "--no-progress", *flags]  # fmt: skip
+    result = launch(args, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = torch.load(tmp_path / name / "best.pt", weights_only=True)
+    assert saved["epoch"] == 2, saved["epoch"]
+    return saved["model"], result.stderr + result.stdout
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_blocks_in_a_module_list_shard_one_by_one_and_train_as_ddp(tmp_path):
+    ddp, _ = _weights(tmp_path, "ddp", "Blocks")
+    fsdp, log = _weights(tmp_path, "fsdp", "Blocks", "--strategy", "fsdp")
+    assert "FSDP units (5): 'stem', 'blocks.0'-'blocks.2', 'head'; the root holds the rest" in log
+    assert _largest_difference(fsdp, ddp) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_mixture_of_experts_under_fsdp_in_both_unit_layouts_trains_as_ddp_with_find_unused_parameters(tmp_path):
+    ddp, _ = _weights(tmp_path, "ddp", "MoE", "--find-unused-parameters", *PLAIN_SGD)
+    torch.manual_seed(3)
+    from layout_tasks import MixtureModel
+
+    initial = MixtureModel().state_dict()
+    assert _largest_difference(ddp, initial) > 1e-2  # every expert trained: the equalities below mean something
+    assert min((ddp[f"moe.experts.{i}.weight"] - initial[f"moe.experts.{i}.weight"]).abs().max() for i in range(4)) > 0
+    one, log = _weights(tmp_path, "one", "ExpertsInOneUnit", "--strategy", "fsdp", *PLAIN_SGD)
+    assert "FSDP units (3): 'stem', 'moe', 'head'" in log
+    assert _largest_difference(one, ddp) <= TOLERANCE
+    each, log = _weights(tmp_path, "each", "ExpertsEachAUnit", "--strategy", "fsdp", *PLAIN_SGD)
+    assert "'moe.experts.0'-'moe.experts.3': skipped by some of the start-up check's forwards" in log
+    assert _largest_difference(each, ddp) <= TOLERANCE
+
+
+def _experts_in_one_unit(rank, world, how):
+    """8 plain SGD steps of the mixture model on rank `rank`'s half of a batch of 16 digits: DDP with
+    find_unused_parameters, or FSDP with the experts inside one unit, its unused gradients zeroed by torch's switch
+    or by the forward hook that torch before the switch needs. The full weights and, per step, which experts each
+    rank's rows chose (under DDP)."""
+    from layout_tasks import MixtureModel, digits
+    from torch import nn
+
+    from ddp_tricks.distributed import fsdp
+
+    train, _ = digits()
+    torch.manual_seed(3)
+    model = MixtureModel()
+    if how == "ddp":
+        model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    else:
+        model = fsdp.shard(model, [model.stem, model.moe, model.head])  # torch's switch on
+        if how == "hook":
+            model.set_reduce_scatter_unused_params(False)
+            fsdp.zero_unused_gradients(model, torch_switch=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    chosen = []
+    for step in range(8):
+        rows = slice(16 * step + 8 * rank, 16 * step + 8 * (rank + 1))
+        inputs, targets = train.inputs[rows], train.targets[rows]
+        if how == "ddp":
+            with torch.no_grad():
+                chosen.append(set(model.module.moe.router(torch.relu(model.module.stem(inputs))).argmax(-1).tolist()))
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    state = (model.module if how == "ddp" else model).state_dict()
+    return {k: (v.full_tensor() if how != "ddp" else v).detach().clone() for k, v in state.items()}, chosen
+
+
+def _three_ways(rank, world):
+    return {how: _experts_in_one_unit(rank, world, how) for how in ("ddp", "switch", "hook")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_unused_experts_get_zero_gradients_by_torch_s_switch_and_by_the_hook_older_torch_takes():
+    from multiproc import run_ranks
+
+    got = run_ranks(_three_ways, 2, timeout=240)
+    chosen = [rank["ddp"][1] for rank in got]
+    assert any(a != b for a, b in zip(*chosen))  # a step whose ranks called different experts
+    for rank in got:
+        ddp = rank["ddp"][0]
+        assert _largest_difference(rank["switch"][0], ddp) <= 1e-6
+        assert _largest_difference(rank["hook"][0], ddp) <= 1e-6
