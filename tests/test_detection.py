@@ -72,9 +72,9 @@ def _rows(path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_detection_trains_on_2_ranks_and_evaluates_as_one_process_does(tmp_path):
-    """7 validation images: 4 on rank 0 and 3 on rank 1, in batches of 2 (rank 0 one batch more). Broken on purpose
-    (the validation split padded as DistributedSampler pads it: rank 1 takes its first image twice), the 2-rank
-    recall reads 0.31 against one process's 0.25."""
+    """7 validation images: 4 on rank 0 and 3 on rank 1, in batches of 2 (2 on each rank, the last 2 and 1). Broken
+    on purpose (the validation split padded as DistributedSampler pads it: rank 1 takes its first image twice), the
+    2-rank recall reads 0.31 against one process's 0.25."""
     flags = [*SMALL, "--runs-dir", str(tmp_path)]
     trained = launch([*flags, "-b", "2", "-e", "2", "-n", "det"], timeout=500)
     assert trained.returncode == 0, trained.stderr[-3000:]

@@ -19,17 +19,34 @@ def _batch_as_is(batch):
     return batch
 
 
-class ShardSampler(Sampler[int]):
-    """Rank r takes indices r, r + world, r + 2*world, ...: each sample exactly once, no padding."""
+def validation_rounds(length: int, world_size: int, batch_size: int) -> list[range]:
+    """The evaluation's global batches, in order: K = ceil(length / (world_size x batch_size)) ranges of the set, as
+    equal as possible (the longer first). They depend on the global batch world_size x batch_size alone, so one
+    process at that batch size holds the same global batches."""
+    rounds = -(-length // (world_size * batch_size))
+    size, longer = divmod(length, rounds)
+    starts = [k * size + min(k, longer) for k in range(rounds + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(rounds)]
 
-    def __init__(self, length: int, num_replicas: int, rank: int):
-        self.indices = range(rank, length, num_replicas)
+
+class EvalSampler(Sampler[list[int]]):
+    """A batch sampler of this rank's validation batches: each global batch (validation_rounds) dealt out over the
+    ranks, its sample i to rank i mod world_size. Every rank thus holds the same number of batches (`rounds`), each
+    sample is on exactly one rank (no padding, none dropped), a batch's rows differ by at most one between the ranks
+    (the lower ranks hold the extra ones), and a rank's batch is empty only where its global batch has fewer samples
+    than there are ranks (a set smaller than rounds x world_size). Empty batches come last: the loader yields the
+    non-empty ones and the evaluation runs the rest (`rounds - len(sampler)`) as batches of no sample."""
+
+    def __init__(self, length: int, world_size: int, rank: int, batch_size: int):
+        global_batches = validation_rounds(length, world_size, batch_size)
+        self.rounds = len(global_batches)
+        self.batches = [list(r[rank::world_size]) for r in global_batches if len(r) > rank]
 
     def __iter__(self):
-        return iter(self.indices)
+        return iter(self.batches)
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.batches)
 
 
 class PlanSampler(Sampler[list[int]]):
@@ -123,10 +140,12 @@ def val_loader(
     prefetch_factor: int = 2,
     collate: Callable | None = None,
 ) -> DataLoader:
-    """Each validation sample on exactly one rank (no padding), so reduced sums are the exact totals."""
-    sampler = ShardSampler(len(dataset), world_size, rank)
+    """Each validation sample on exactly one rank (no padding), so reduced sums are the exact totals, and the same
+    number of batches on every rank (EvalSampler: `loader.batch_sampler.rounds`, its empty ones not yielded), so a
+    collective that the task's loss() or metric_sums() calls once per batch meets every rank's."""
+    sampler = EvalSampler(len(dataset), world_size, rank, batch_size)
     options = _options(dataset, workers, prefetch_factor, device, seed, collate)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)
+    return DataLoader(dataset, batch_sampler=sampler, **options)
 
 
 def batch_sizes(loader: DataLoader):

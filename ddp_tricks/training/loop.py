@@ -17,16 +17,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ddp_tricks.data.loaders import batch_sizes, seed_epoch
+from ddp_tricks.data.loaders import batch_of, batch_sizes, seed_epoch
 from ddp_tricks.distributed.collectives import (
     all_reduce_sum,
     any_rank,
     broadcast_buffers,
     gather_rows,
-    max_over_ranks,
     uneven_rows,
 )
 from ddp_tricks.distributed.wrap import accumulating, name_unused_parameters
+from ddp_tricks.errors import UserError
 from ddp_tricks.plan import Step
 from ddp_tricks.training import noise, precise_bn
 from ddp_tricks.training.batches import detached, float_outputs, no_rows, to_device
@@ -313,11 +313,12 @@ def evaluate(t: Training, loader) -> dict[str, float]:
     at the end (an AUC's scores, a detector's detections; uneven counts padded for the gather and cut back). A task
     with score() is evaluated by it alone, on the model's eval-mode outputs: no loss, no `val_loss`.
 
-    Uses the unwrapped model: ranks hold different numbers of validation batches, and a DDP forward would wait for
-    the others. Where a forward or the task's evaluation talks to every rank, a rank with fewer batches runs extra
-    ones, uncounted, until every rank has run as many: a sharded model's forward gathers parameters (its first batch
-    again), and an evaluation that gathers rows (gather_with_grad) runs an empty batch through the model and the
-    task's evaluation, so that it adds no sample to the others' batches; the gathers exchange their row counts."""
+    Every rank runs the same number of batches, by construction (loaders.EvalSampler: each global batch dealt out
+    over the ranks, rows differing by at most one), so whatever the task's loss(), metric_sums() or score() calls
+    across ranks once per batch (an all_gather, an all_reduce) meets every rank's call, and a sharded model's
+    forwards gather alike; no count is exchanged. A rank that holds no sample of a round (a set smaller than rounds x
+    ranks) runs a batch of no sample through the model and the task's evaluation, uncounted. Uses the unwrapped
+    model: a DDP forward would add collectives of its own."""
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
     model.eval()
@@ -325,24 +326,37 @@ def evaluate(t: Training, loader) -> dict[str, float]:
     layout = t.scoring or t.sums_layout
     sums = torch.zeros(layout.width + (t.scoring is None) + 1, dtype=torch.float64, device=t.device)
     rows = {name: [] for name in layout.gathered}
-    extra = max_over_ranks(len(loader), t.device) - len(loader) if t.sharded or t.global_loss else 0
-    first = None
+    empty = getattr(loader.batch_sampler, "rounds", len(loader)) - len(loader)  # the same rounds on every rank
     with uneven_rows() if t.global_loss else contextlib.nullcontext():
         for samples, (inputs, targets) in zip(batch_sizes(loader), loader):  # samples: the batch's dataset items
             inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
-            first = (inputs, targets, samples) if first is None else first
             units = samples if units_of is None else units_tensor(units_of(inputs, targets), t.device)
             sums[:-1] += validation_states(t, model, inputs, targets, units, rows)
             sums[-1] += units
-        for _ in range(extra):  # every rank has a first batch: check_sizes gives each at least one sample
-            if t.global_loss:  # the same collectives as a counted batch; discarded
-                validation_states(t, model, no_rows(first[0], first[2]), no_rows(first[1], first[2]), 0, None)
-            else:
-                with t.precision.autocast():
-                    model(first[0])
+        for _ in range(empty):  # the same forward and evaluation as a counted batch; discarded
+            run_empty_batch(t, model, loader)
     *total, units = all_reduce_sum(sums).tolist()
     gathered = {name: gather_rows(torch.cat(parts)) for name, parts in rows.items()}  # rank order: any order
     return report(t.task, layout, "val", total, units, gathered, loss=t.scoring is None)
+
+
+def run_empty_batch(t: Training, model: nn.Module, loader) -> None:
+    """A validation batch of no sample (the loader's first item, collated, cut to 0 rows) through the model and the
+    task's evaluation, its states discarded: a rank's share of a round in which it holds no sample. A model or a task
+    that fails on it is one line naming the split and the fix."""
+    inputs, targets = (
+        to_device(part, t.device) for part in no_rows(batch_of(loader.dataset, [0], loader.collate_fn), 1)
+    )
+    try:
+        validation_states(t, model, inputs, targets, 0, None)
+    except Exception as error:
+        rounds, ranks = loader.batch_sampler.rounds, t.world_size
+        raise UserError(
+            f"the validation set's {len(loader.dataset)} samples make {rounds} batches on each of {ranks} ranks, so a "
+            f"rank runs a batch of 0 samples, and the model or the task's evaluation fails on it "
+            f"({type(error).__name__}: {error}): make them take an empty batch, or use a larger --val-batch-size",
+            rank_specific=True,
+        ) from error
 
 
 def validation_states(t: Training, model: nn.Module, inputs, targets, units, rows: dict | None) -> torch.Tensor:
