@@ -72,7 +72,7 @@ def detached(value):
 def no_rows(value, samples: int | None = None):
     """The batch with none of its samples: every tensor of at least one dimension cut to its first 0 rows, and every
     list of `samples` items (one item per sample: images, dicts of boxes) emptied (the evaluation's uncounted batch
-    on a rank with fewer batches, where the task's evaluation gathers from every rank)."""
+    on a rank that holds no sample of a round, and the start-up check of a loss that gathers from every rank)."""
     if isinstance(value, list) and samples is not None and len(value) == samples:
         return []
     if isinstance(value, torch.Tensor):

@@ -331,8 +331,9 @@ def check_unused_parameters(task, model: nn.Module, dataset, collate=None) -> No
 def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: bool = False) -> bool:
     """Whether the task's loss, metric sums or score() gather from every rank (call gather_with_grad), found on the
     check batch before any process group (where the gather is the identity). Such a task must also take a batch of
-    no sample, which a rank with fewer validation batches runs through its evaluation (the model in eval mode, then
-    score(), or loss() and metric_sums()) while the others finish theirs; a traced run, whose ranks run different
+    no sample, which a rank that holds no sample of a validation batch (a set smaller than its batches x the ranks)
+    runs through its evaluation (the model in eval mode, then score(), or loss() and metric_sums()) while the others
+    run theirs; a traced run, whose ranks run different
     numbers of micro-batches, would leave a gather waiting. Either is one line here."""
     indices = list(range(min(CHECKED, len(dataset))))
     inputs, targets = batch_of(dataset, indices, collate)
@@ -360,7 +361,7 @@ def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: boo
             empty_inputs, empty_targets = no_rows(inputs, len(indices)), no_rows(targets, len(indices))
             pieces = "score()" if scored else "loss() and metric_sums()"
             fix = f"make the model and {pieces} take a batch of 0 samples (a mean over none is NaN: fine)"
-            why = "the task's evaluation gathers from every rank, so a rank with fewer validation batches runs"
+            why = "the task's evaluation gathers from every rank, so a rank with no sample of a validation batch runs"
             problem = f"{why} an empty batch through its model, which fails"
             outputs = _call(lambda x, _: model(x), empty_inputs, None, problem, fix)
             outputs = float_outputs(outputs)
