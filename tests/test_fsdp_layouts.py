@@ -14,6 +14,56 @@ TOLERANCE = 2e-5  # float32, 24 SGD steps: FSDP reduce-scatters what DDP all-red
 PLAIN_SGD = ("--momentum", "0", "--wd", "0")
 
 
+def _names(model, units):
+    named = {id(m): name for name, m in model.named_modules()}
+    return [[named[id(m)] for m in u] if isinstance(u, list) else named[id(u)] for u in units]
+
+
+def test_containers_are_sharded_element_by_element_and_a_task_s_units_still_override():
+    from torch import nn
+
+    from ddp_tricks.distributed import fsdp
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(5, 4)
+            self.layers = nn.ModuleList([nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]), nn.ReLU()])
+            self.heads = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 3)})
+
+    model = Model()
+    assert _names(model, fsdp.default_units(model)) == ["embed", "layers.0", "layers.1.0", "heads.a", "heads.b"]
+
+    class Task:
+        def shard_units(self, model):
+            return [model.layers, model.heads["a"]]  # a ModuleList as one unit: its elements gathered together
+
+    units = fsdp.shard_units(Task(), model)
+    assert _names(model, units) == [["layers.0", "layers.1.0", "layers.1.1", "layers.2"], "heads.a"]
+    line = fsdp.describe_units(model, fsdp.default_units(model))
+    assert line == "FSDP units (5): 'embed', 'layers.0', 'layers.1.0', 'heads.a', 'heads.b'; the root holds the rest"
+
+
+def test_units_that_a_start_up_forward_skips_are_found_and_said():
+    from layout_tasks import ExpertsEachAUnit, digits
+
+    from ddp_tricks.distributed import fsdp
+    from ddp_tricks.training import seam
+
+    task = ExpertsEachAUnit(None)
+    model = task.model()
+    units = fsdp.shard_units(task, model)
+    calls = seam.module_calls(model, digits()[0])
+    assert len(calls) == 5  # the check batch of 4, then each sample alone: one expert each
+    skipped = fsdp.skipped(units, calls)
+    assert _names(model, [units[i] for i in skipped]) == [f"moe.experts.{i}" for i in range(4)]
+    kept = [u for i, u in enumerate(units) if i not in skipped]
+    assert fsdp.describe_units(model, kept, [units[i] for i in skipped]).startswith(
+        "FSDP units (3): 'stem', 'moe.router', 'head'; the root holds the rest; 'moe.experts.0'-'moe.experts.3': "
+        "skipped by some of the start-up check's forwards"
+    )
+
+
 def _weights(tmp_path, name, task, *flags):
     """run.py's final weights after 2 epochs of `task` on 2 ranks (best.pt, the same under DDP and FSDP: the last
     epoch's validation loss is the lower here), and its log."""

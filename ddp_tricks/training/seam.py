@@ -380,28 +380,30 @@ def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: boo
 def module_calls(model: nn.Module, dataset, collate=None) -> list[set[int]]:
     """For each of the start-up check's forwards (the check batch, then each of its samples alone), the ids of the
     modules it called: what --strategy fsdp holds its units against (a unit that a forward skips, an expert no sample
-    chose, would leave the ranks that call it waiting in its all-gather). In training mode as a step runs it (eval
-    mode for a forward of one sample that training mode refuses: BatchNorm), the RNG and every buffer put back."""
+    chose, would leave the ranks that call it waiting in its all-gather). In training mode as a step runs it, except
+    BatchNorm layers in eval mode for a forward of one sample (training mode refuses it); a forward of one sample that
+    the model refuses even so is left out. The RNG and every buffer are put back."""
     count = min(CHECKED, len(dataset))
     batches = [list(range(count))] + ([[i] for i in range(count)] if count > 1 else [])
     called: set[int] = set()
     hooks = [m.register_forward_pre_hook(lambda module, _: called.add(id(module))) for m in model.modules()]
     buffers = [b.detach().clone() for b in model.buffers()]
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     training, calls = model.training, []
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             for indices in batches:
                 inputs, _ = batch_of(dataset, indices, collate)
                 called.clear()
+                model.train()
+                for norm in norms if len(indices) == 1 else []:
+                    norm.eval()
                 try:
-                    model.train()
                     model(inputs)
-                except Exception:  # one sample in training mode (BatchNorm): the same forward in eval mode
+                except Exception:  # a model that takes no single sample: the batch's forward alone says it
                     if len(indices) > 1:
                         raise
-                    called.clear()
-                    model.eval()
-                    model(inputs)
+                    continue
                 calls.append(set(called))
     finally:
         for hook in hooks:
