@@ -415,6 +415,10 @@ def _ddp_performance_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--static-graph", action="store_true", help="DDP static_graph=True")
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
-    g.add_argument("--find-unused-parameters", action="store_true", help="DDP find_unused_parameters=True")
+    g.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="DDP find_unused_parameters=True: for parameters some steps leave unused (MoE, branches); FSDP needs none",
+    )
     g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (eager with a warning if not)")
