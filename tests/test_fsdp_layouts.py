@@ -70,7 +70,7 @@ def _weights(tmp_path, name, task, *flags):
     args = ["--task", f"{TASKS}:{task}", "-b", "16", "-e", "2", "--lr", "0.05", "--seed", "3",
             "--runs-dir", str(tmp_path), "--name", name, "--no-progress", *flags]  # fmt: skip
     result = launch(args, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
     saved = torch.load(tmp_path / name / "best.pt", weights_only=True)
     assert saved["epoch"] == 2, saved["epoch"]
     return saved["model"], result.stderr + result.stdout
@@ -92,18 +92,23 @@ def test_blocks_in_a_module_list_shard_one_by_one_and_train_as_ddp(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_mixture_of_experts_under_fsdp_in_both_unit_layouts_trains_as_ddp_with_find_unused_parameters(tmp_path):
-    ddp, _ = _weights(tmp_path, "ddp", "MoE", "--find-unused-parameters", *PLAIN_SGD)
+@pytest.mark.parametrize("accum", ["1", "2"])  # 2: the unused gradients of two micro-batches, reduced on the last
+def test_a_mixture_of_experts_under_fsdp_in_both_unit_layouts_trains_as_ddp_with_find_unused_parameters(
+    tmp_path, accum
+):
+    flags = (*PLAIN_SGD, "--accum-steps", accum)
+    ddp, _ = _weights(tmp_path, "ddp", "MoE", "--find-unused-parameters", *flags)
     torch.manual_seed(3)
     from layout_tasks import MixtureModel
 
     initial = MixtureModel().state_dict()
-    assert _largest_difference(ddp, initial) > 1e-2  # every expert trained: the equalities below mean something
-    assert min((ddp[f"moe.experts.{i}.weight"] - initial[f"moe.experts.{i}.weight"]).abs().max() for i in range(4)) > 0
-    one, log = _weights(tmp_path, "one", "ExpertsInOneUnit", "--strategy", "fsdp", *PLAIN_SGD)
+    assert _largest_difference(ddp, initial) > 1e-2  # the weights moved: the equalities below mean something
+    trained = [(ddp[f"moe.experts.{i}.weight"] != initial[f"moe.experts.{i}.weight"]).any() for i in range(4)]
+    assert sum(trained) >= 2  # the router chose among experts (the in-process test below sees ranks differ)
+    one, log = _weights(tmp_path, "one", "ExpertsInOneUnit", "--strategy", "fsdp", *flags)
     assert "FSDP units (3): 'stem', 'moe', 'head'" in log
     assert _largest_difference(one, ddp) <= TOLERANCE
-    each, log = _weights(tmp_path, "each", "ExpertsEachAUnit", "--strategy", "fsdp", *PLAIN_SGD)
+    each, log = _weights(tmp_path, "each", "ExpertsEachAUnit", "--strategy", "fsdp", *flags)
     assert "'moe.experts.0'-'moe.experts.3': skipped by some of the start-up check's forwards" in log
     assert _largest_difference(each, ddp) <= TOLERANCE
 
