@@ -45,19 +45,22 @@ def test_containers_are_sharded_element_by_element_and_a_task_s_units_still_over
     assert line == "FSDP units (5): 'embed', 'layers.0', 'layers.1.0', 'heads.a', 'heads.b'; the root holds the rest"
 
 
-def test_units_that_a_start_up_forward_skips_are_found_and_said():
-    """Broken on purpose (no unit counted as skipped): none of the experts was found."""
+def test_units_that_a_start_up_forward_skips_are_found_with_their_siblings_and_said():
+    """Broken on purpose (no unit counted as skipped): none of the experts was found; (siblings not counted):
+    'moe.experts.2', which the router gave every check sample of this seed, stayed a unit of its own."""
     from layout_tasks import ExpertsEachAUnit, digits
 
     from ddp_tricks.distributed import fsdp
     from ddp_tricks.training import seam
 
     task = ExpertsEachAUnit(None)
+    torch.manual_seed(6)  # a router that sends each of the 4 check samples to expert 2
     model = task.model()
     units = fsdp.shard_units(task, model)
     calls = seam.module_calls(model, digits()[0])
-    assert len(calls) == 5  # the check batch of 4, then each sample alone: one expert each
-    skipped = fsdp.skipped(units, calls)
+    assert len(calls) == 5  # the check batch of 4, then each sample alone
+    assert all(id(model.moe.experts[2]) in called for called in calls)
+    skipped = fsdp.skipped(model, units, calls)
     assert _names(model, [units[i] for i in skipped]) == [f"moe.experts.{i}" for i in range(4)]
     kept = [u for i, u in enumerate(units) if i not in skipped]
     assert fsdp.describe_units(model, kept, [units[i] for i in skipped]).startswith(

@@ -4,8 +4,8 @@ the task's (`shard_units(model)`), or by default each direct child of the model 
 ModuleList's or ModuleDict's element by element (a container has no forward for FSDP to hook: torchtitan shards
 `model.layers` so), children that share a parameter (a tied embedding and output projection) as one unit (FSDP2
 keeps a parameter in one unit); the root takes the rest. A unit whose forward some of the start-up check's forwards
-skip (a mixture of experts' expert, a conditional branch) goes back into the unit that holds it: its all-gather
-would wait for the ranks that skip it. Parameters unused on a rank get zero gradients in the reduce-scatter, so
+skip (a mixture of experts' expert, a conditional branch), and its siblings in a ModuleList or ModuleDict, go back
+into the unit that holds them: its all-gather would wait for the ranks that skip it. Parameters unused on a rank get zero gradients in the reduce-scatter, so
 ranks that use different experts reduce the same tensors. Mixed precision is FSDP's policy: parameters gathered
 in the --amp dtype, gradients reduced in float32, BatchNorm layers kept in float32 as their own units (their
 running statistics are float32).
@@ -95,10 +95,19 @@ def default_units(model: nn.Module) -> list[Unit]:
     return [unit[0] if len(unit) == 1 else unit for unit in units]
 
 
-def skipped(units: list[Unit], calls: list[set[int]]) -> list[int]:
+def skipped(model: nn.Module, units: list[Unit], calls: list[set[int]]) -> list[int]:
     """The indices of the units that some forward skipped: `calls` holds, for each of the start-up check's forwards,
-    the ids of the modules it called; a unit is skipped where a forward called the model but not all its modules."""
-    return [i for i, unit in enumerate(units) if any(not {id(m) for m in _members(unit)} <= called for called in calls)]
+    the ids of the modules it called; a unit is skipped where a forward did not call all its modules. Its siblings in
+    a ModuleList or ModuleDict count as skipped too (the other experts of a mixture: a router that chose the same one
+    for the check's few samples says nothing about the next batch)."""
+    found = {i for i, unit in enumerate(units) if any(not {id(m) for m in _members(unit)} <= c for c in calls)}
+    parent = {id(child): module for module in model.modules() for child in module.children()}
+
+    def containers(i: int) -> set[int]:
+        return {id(parent[id(m)]) for m in _members(units[i]) if isinstance(parent.get(id(m)), CONTAINERS)}
+
+    shared = set().union(*(containers(i) for i in found)) if found else set()
+    return sorted(found | {i for i in range(len(units)) if containers(i) & shared})
 
 
 def describe_units(model: nn.Module, units: list[Unit], folded: list[Unit] = ()) -> str:

@@ -100,7 +100,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
     units, shard_line = [], None
     if setup.strategy == "fsdp":
         units = fsdp.shard_units(task, model)
-        skipped = fsdp.skipped(units, seam.module_calls(model, dataset, collate))
+        skipped = fsdp.skipped(model, units, seam.module_calls(model, dataset, collate))
         folded = [units[i] for i in skipped]
         units = [unit for i, unit in enumerate(units) if i not in skipped]
         shard_line = fsdp.describe_units(model, units, folded)
