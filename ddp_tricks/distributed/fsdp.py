@@ -5,10 +5,10 @@ ModuleList's or ModuleDict's element by element (a container has no forward for 
 `model.layers` so), children that share a parameter (a tied embedding and output projection) as one unit (FSDP2
 keeps a parameter in one unit); the root takes the rest. A unit whose forward some of the start-up check's forwards
 skip (a mixture of experts' expert, a conditional branch), and its siblings in a ModuleList or ModuleDict, go back
-into the unit that holds them: its all-gather would wait for the ranks that skip it. Parameters unused on a rank get zero gradients in the reduce-scatter, so
-ranks that use different experts reduce the same tensors. Mixed precision is FSDP's policy: parameters gathered
-in the --amp dtype, gradients reduced in float32, BatchNorm layers kept in float32 as their own units (their
-running statistics are float32).
+into the unit that holds them: its all-gather would wait for the ranks that skip it. Parameters unused on a rank
+get zero gradients in the reduce-scatter, so ranks that use different experts reduce the same tensors. Mixed
+precision is FSDP's policy: parameters gathered in the --amp dtype, gradients reduced in float32, BatchNorm layers
+kept in float32 as their own units (their running statistics are float32).
 """
 
 from __future__ import annotations
