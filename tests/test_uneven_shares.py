@@ -1,7 +1,8 @@
 """Any world size keeps the run's global batch: a step's micro-batches are the run's (its global batch and its
 micro-batch), and a world size that does not divide them spreads them unevenly over the ranks (2, 1, 1 on 3; some
-ranks none on 7), the ranks' gradients summed by hand with each micro-batch weighted by its samples. A run of 64 from
-2 ranks resumed mid-epoch on 3 and on 7 ends where the uninterrupted run ends, with and without BatchNorm."""
+ranks none on 7), the ranks' gradients summed by hand with each micro-batch weighted by its samples (or the task's
+units). A run of 64 from 2 ranks resumed mid-epoch on 3 and on 7 ends where the uninterrupted run ends, with and without
+BatchNorm, and with a loss over tokens."""
 
 from __future__ import annotations
 
@@ -73,8 +74,17 @@ def test_a_world_size_that_divides_the_micro_batches_keeps_ddp_and_its_weights()
 def test_what_needs_equal_shares_is_refused_in_one_line_naming_the_fix():
     from ddp_tricks.training import preflight
 
-    fsdp = preflight.equal_shares(preflight.Setup(3, strategy="fsdp"), object(), [], global_loss=False)
-    assert preflight.equal_shares(preflight.Setup(3), object(), [], global_loss=False) == ""  # DDP: uneven is fine
+    def reason(setup=preflight.Setup(3), task=object(), sparse=(), global_loss=False):
+        return preflight.equal_shares(setup, task, list(sparse), global_loss)
+
+    class Cached:
+        cached_accumulation = True
+
+    assert reason() == ""  # DDP: uneven shares are fine
+    fsdp = reason(preflight.Setup(3, strategy="fsdp"))
+    assert fsdp.startswith("--strategy fsdp") and reason(preflight.Setup(3, sync_bn=True)).startswith("--sync-bn")
+    assert "gather_with_grad" in reason(global_loss=True) and "cached accumulation" in reason(task=Cached())
+    assert "sparse gradients" in reason(sparse=["table.weight"])
     with pytest.raises(UserError) as error:
         resumed_plan(3, equal_shares=fsdp)
     message = str(error.value)
@@ -84,10 +94,17 @@ def test_what_needs_equal_shares_is_refused_in_one_line_naming_the_fix():
 
 # ---------------------------------------------------------------- real runs: 64 from 2 ranks, resumed on 3 and 7
 
-# global batch 64 = 16 x 2 x 2: 4 micro-batches of 16 a step, 23 steps an epoch (1437 digits: the last step 29)
+# global batch 64 = 16 x 2 x 2: 4 micro-batches of 16 a step; the digits: 23 steps an epoch (1437: the last 29), the
+# language model (a loss over tokens, weighted by the task's units()): 5 (270 sequences: the last 14)
 FLAGS = ["-l", "0.05", "--batch-size", "16", "--accum-steps", "2", "--epochs", "2", "--no-progress",
          "--log-interval", "5"]  # fmt: skip
-TASKS = {"batchnorm": "tests/rank_tasks.py:PreemptedTinyBN", "no-batchnorm": "tests/rank_tasks.py:PreemptedTinyMLP"}
+LM = ["--max-sequences", "300", "--max-length", "24", "--width", "8", "--depth", "1", "--heads", "2"]
+# (task flags, rank 0's micro-batch after which SIGTERM comes: 2 a step, mid-epoch 1, BatchNorm or not)
+CASES = {
+    "batchnorm": (["--task", "tests/rank_tasks.py:PreemptedTinyBN"], 2 * 9, True),
+    "no-batchnorm": (["--task", "tests/rank_tasks.py:PreemptedTinyMLP"], 2 * 9, False),
+    "tokens": (["--task", "tests/rank_tasks.py:PreemptedLM", *LM], 2 * 2, False),
+}
 BN_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
 # Measured on a 2-core CPU: the resumed runs' parameters differ from the uninterrupted run's by the order of float
 # sums (a manual sum in place of DDP's buckets); see the closing note of the test for the numbers.
@@ -111,7 +128,7 @@ def assert_same_run(whole_dir, run_dir, world_size: int, accum_steps: int, batch
     assert [r["step"] for r in a] == [r["step"] for r in b]
     assert [r["global_batch"] for r in a] == [r["global_batch"] for r in b]
     assert (b[-1]["world_size"], b[-1]["accum_steps"]) == (str(world_size), str(accum_steps))
-    compared = ["train_loss", "train_acc"] + ([] if batchnorm else ["val_loss", "val_acc"])
+    compared = [name for name in a[0] if name.startswith("train_") or (name.startswith("val_") and not batchnorm)]
     for x, y in zip(a, b):
         for name in compared:
             assert float(y[name]) == pytest.approx(float(x[name]), rel=1e-4, abs=1e-6), (name, x["epoch"])
@@ -125,12 +142,13 @@ def assert_same_run(whole_dir, run_dir, world_size: int, accum_steps: int, batch
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", list(TASKS))
+@pytest.mark.parametrize("model", list(CASES))
 def test_64_from_2_ranks_resumed_mid_epoch_on_3_and_on_7_equals_the_uninterrupted_run(tmp_path, model, monkeypatch):
-    flags = ["--task", TASKS[model], *FLAGS, "--runs-dir", str(tmp_path)]
+    task, after, batchnorm = CASES[model]
+    flags = [*task, *FLAGS, "--runs-dir", str(tmp_path)]
     whole = launch([*flags, "-n", "whole"], nproc=2)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    monkeypatch.setenv("PREEMPT_AFTER", str(2 * 9))  # rank 0's 18th micro-batch: step 9 of epoch 1
+    monkeypatch.setenv("PREEMPT_AFTER", str(after))
     stopped = launch([*flags, "-n", "on3"], nproc=2)
     monkeypatch.delenv("PREEMPT_AFTER")
     assert stopped.returncode == 143 and "preempted at epoch" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
@@ -145,7 +163,5 @@ def test_64_from_2_ranks_resumed_mid_epoch_on_3_and_on_7_equals_the_uninterrupte
         log = end.stdout
         assert f"global batch 64 as 4 micro-batches of 16 on {world_size} processes: {shares}" in log, log[-3000:]
         assert_resumed(log, saved, final_step(tmp_path / "whole"))
-        worst[world_size] = assert_same_run(
-            tmp_path / "whole", tmp_path / name, world_size, accum_steps, model == "batchnorm"
-        )
+        worst[world_size] = assert_same_run(tmp_path / "whole", tmp_path / name, world_size, accum_steps, batchnorm)
     print(f"{model}: worst relative parameter difference vs the uninterrupted run:", worst)
