@@ -132,6 +132,8 @@ def test_a_run_resumed_1_to_3_to_2_ranks_mid_epoch_equals_the_uninterrupted_one(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_world_size_that_cannot_keep_equal_shares_under_fsdp_is_one_line_and_leaves_the_checkpoint(tmp_path):
+    """Broken on purpose (preflight.equal_shares ignoring --strategy fsdp): the resume on 2 ran uneven shares under
+    FSDP and ended -6, a gloo collective mismatch said as "another process of the job is gone"."""
     # global batch 5: under DDP, 2 processes take its one micro-batch as 1,0 (test_uneven_shares.py); FSDP's ranks
     # must run as many micro-batches, which no micro-batch makes
     args = ["--task", "tests/rank_tasks.py:PreemptedTinyMLP", "--strategy", "fsdp", "--batch-size", "5", "--epochs",
