@@ -365,9 +365,9 @@ def layout(
     """The micro-batch that keeps `global_batch` on `world_size` processes: one that divides it and keeps the run's
     steps per epoch (its schedule), at most `ceiling` (--batch-size). The run's own micro-batch `prefer` where it fits
     under the ceiling, whether or not the world size divides the step's micro-batches (the ranks' shares may be
-    uneven: the same micro-batches as the run's, BatchNorm's groups included); else one the world size divides, the
-    largest, and failing that the largest. With `equal_shares` (what needs every rank to run as many micro-batches),
-    only one the world size divides, the run's own first."""
+    uneven: the same micro-batches as the run's, BatchNorm's groups included); else the largest that the world size
+    divides, failing that the largest. With `equal_shares` (what needs every rank to run as many micro-batches), only
+    one the world size divides: the run's own if it is one, else the largest."""
     steps = epoch_steps(num_train, global_batch, prefer, drop_last)
     sizes = [
         m
