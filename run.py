@@ -78,7 +78,7 @@ def run(flags, task, process: launch.Launch) -> int:
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     setup = preflight.Setup(process.world_size, nccl=nccl, **cli.check_options(flags))
     plan, found = preflight.check(  # one record of what the checks found: what comes after takes it
-        task, model, train_set, setup, lambda: make_plan(flags, len(train_set), process.world_size, state)
+        task, model, train_set, setup, lambda equal: make_plan(flags, len(train_set), process.world_size, state, equal)
     )
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
@@ -175,9 +175,10 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
     return 0
 
 
-def make_plan(flags, num_train: int, world_size: int, state: dict | None = None) -> planning.Plan:
+def make_plan(flags, num_train: int, world_size: int, state: dict | None = None, equal: str = "") -> planning.Plan:
     """Every number derived from the flags, the world and the data, once. A resumed checkpoint (`state`) keeps its
-    run's global batch and micro-batch at any world size, and its --batch-trace auto trace goes on."""
+    run's global batch and micro-batch at any world size (in uneven shares, unless `equal` says what needs equal
+    ones), and its --batch-trace auto trace goes on."""
     trace, max_global_batch = None, 0
     if flags.batch_trace == "auto":
         trace, max_global_batch = auto_batch.start(
@@ -193,13 +194,14 @@ def make_plan(flags, num_train: int, world_size: int, state: dict | None = None)
         trace=trace,
         run_batch=run_batch,
         max_global_batch=max_global_batch,
+        equal_shares=equal,
         **cli.plan_options(flags),
     )
 
 
 def build_training(flags, task, model, found: preflight.Findings, plan: planning.Plan, dist: launch.Dist) -> Training:
-    """The model on its device, sharded (FSDP) or wrapped (DDP; a traced run reduces its gradients itself), the
-    optimizer, the schedule, precision, the noise scale's estimator, best and early stopping."""
+    """The model on its device, sharded (FSDP) or wrapped (DDP; a traced or unevenly shared run reduces its gradients
+    itself), the optimizer, the schedule, precision, the noise scale's estimator, best and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
     model = model.to(dist.device, memory_format=torch.channels_last if flags.channels_last else torch.preserve_format)
@@ -212,7 +214,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         from apex import amp as apex_amp
 
         model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O1")  # before DDP
-    if not plan.traced and flags.strategy == "ddp":
+    if not plan.manual_reduction and flags.strategy == "ddp":
         model = wrap.wrap(
             model,
             dist,
@@ -224,14 +226,14 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     params = [p for p in model.parameters() if p.requires_grad]
     noise, noise_parts = None, None
     if found.measures_noise:
-        noise, noise_parts = auto_batch.attach(dist.device, dist.world_size, model, params, plan.traced)
+        noise, noise_parts = auto_batch.attach(dist.device, dist.world_size, model, params, plan.manual_reduction)
     if flags.compile:
         model = models.compiled(model)
     mode = cli.mode_of(task, flags.monitor)
     reduction = None
-    if plan.traced:
+    if plan.manual_reduction:  # a traced run, or uneven shares: ranks run different numbers of backwards
         adascale = AdaScale() if flags.batch_lr_rule == "adascale" else None
-        reduction = TraceReduction(params, plan.micro_batch, adascale, noise)
+        reduction = TraceReduction(params, plan.micro_batch, adascale, noise, plan.slots * plan.uneven_shares)
     early_stopping = None
     if flags.early_stop_patience:
         early_stopping = EarlyStopping(flags.early_stop_patience, delta=flags.early_stop_delta, mode=mode)

@@ -8,9 +8,12 @@ batch), cut into micro-batches ("slots", G / micro-batch of them: slot k takes e
 from position k, as the k-th of that many DistributedSamplers would, unpadded), and rank r runs slots r, r + world,
 r + 2 world, ... So a run resumed at another world size (`layout`) takes the same samples in the same steps,
 grouped into the same micro-batches (BatchNorm sees what it saw); with another micro-batch (accumulation instead of
-a larger batch), the same samples in the same steps. The epoch's last step may be short (its micro-batches a sample
-apart in length); one that would leave a slot empty (fewer samples than slots) is left out: those samples skip this
-epoch.
+a larger batch), the same samples in the same steps. Where the world size does not divide the slots (64 in 4
+slots of 16, resumed on 3 processes), ranks run different numbers of them (2, 1, 1; on 7: 1, 1, 1, 1, 0, 0, 0):
+the plan's shares are uneven, the ranks' gradients are summed by hand (`manual_reduction`, as in a traced run), each
+micro-batch's loss weighted by its samples over the step's, and an idle rank adds zeros. The epoch's last step may
+be short (its micro-batches a sample apart in length); one that would leave a slot empty (fewer samples than slots)
+is left out: those samples skip this epoch.
 """
 
 from __future__ import annotations
@@ -91,6 +94,30 @@ class Plan:
     def traced(self) -> bool:
         return self.trace is not None
 
+    @property
+    def uneven_shares(self) -> bool:
+        """An untraced run whose world size does not divide a step's micro-batches (a resume on another number of
+        processes): ranks run different numbers of them, some maybe none (`shares`)."""
+        return not self.traced and self.slots % self.world_size != 0
+
+    @property
+    def manual_reduction(self) -> bool:
+        """The ranks' gradients are summed by hand at the end of a step (trace_reduction.py), not by DDP: a traced
+        run, or uneven shares, where ranks run different numbers of backwards (DDP's reducer would wait for a rank
+        that runs none)."""
+        return self.traced or self.uneven_shares
+
+    def shares(self) -> list[int]:
+        """The micro-batches each rank runs in a step (an untraced run): rank r runs slots r, r + world, ..."""
+        return [len(range(rank, self.slots, self.world_size)) for rank in range(self.world_size)]
+
+    def describe_shares(self) -> str:
+        """`64 as 4 micro-batches of 16 on 3 processes: 2,1,1`, for the start line and the resume line."""
+        return (
+            f"{self.global_batch} as {self.slots} micro-batches of {self.micro_batch} on {self.world_size} "
+            f"processes: {','.join(map(str, self.shares()))}"
+        )
+
     def lr_factor_at(self, step: int) -> float:
         """The LR factor of run step `step` (0-based) that the plan knows ahead: a trace's linear/root rule."""
         if not self.traced:
@@ -130,6 +157,11 @@ class Plan:
         if self.traced:
             return (
                 f"global batch from the trace, {min(self.trace)}..{max(self.trace)} (LR given for {self.global_batch})"
+            )
+        if self.uneven_shares:
+            return (
+                f"global batch {self.describe_shares()} (uneven: gradients summed by hand, each micro-batch weighted "
+                "by its samples)"
             )
         accumulation = f" x accumulation {self.accum_steps}" if self.accum_steps > 1 else ""
         return f"global batch {self.global_batch} ({self.micro_batch} x {self.world_size} process(es){accumulation})"
@@ -172,12 +204,13 @@ class Plan:
         if self.drop_last:  # the samples that divide evenly over the slots
             order = order[: self.num_train // self.slots * self.slots]
         mine = [order[k :: self.slots].split(self.micro_batch) for k in range(rank, self.slots, self.world_size)]
+        ranks = 1 if self.manual_reduction else self.world_size  # DDP averages the ranks' gradients: b / (B / W)
         steps = []
         for s in range(self.steps_per_epoch):
             group = [slot[s].tolist() for slot in mine]
             batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
             # slot k holds ceil((n - k) / slots) samples: the micro-batches differ unless the batch fills the slots
-            steps.append(Step(group, batch / self.world_size, batch, uneven=batch % self.slots != 0))
+            steps.append(Step(group, batch / ranks, batch, uneven=batch % self.slots != 0))
         return steps
 
     def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:
@@ -217,10 +250,12 @@ def make(
     drop_last: bool = False,
     run_batch: tuple[int, int] | None = None,
     max_global_batch: int = 0,
+    equal_shares: str = "",
 ) -> Plan:
     """The plan for these numbers; an impossible combination is a UserError that names the fix. `run_batch`: a
     resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
-    --batch-size (then the micro-batch's ceiling) and --accum-steps give."""
+    --batch-size (then the micro-batch's ceiling) and --accum-steps give. `equal_shares`: what in this run needs
+    every rank to run as many micro-batches in a step ("": nothing; the world size may then leave them uneven)."""
     relayout, run_micro_batch = "", micro_batch
     if max_global_batch:  # --batch-trace auto: the trace so far, its last batch until the next epoch grows it
         trace_end = "repeat-last"
@@ -228,12 +263,21 @@ def make(
         flags_batch = micro_batch * world_size * accum_steps
         run_global, run_micro = run_batch
         run_micro_batch = run_micro
-        micro_batch, accum_steps = layout(run_global, world_size, micro_batch, run_micro, num_train, drop_last)
-        if flags_batch != run_global or micro_batch != run_micro:
+        micro_batch = layout(run_global, world_size, micro_batch, run_micro, num_train, drop_last, equal_shares)
+        slots = run_global // micro_batch
+        accum_steps = -(-slots // world_size)  # the most micro-batches a rank runs in a step
+        if flags_batch != run_global or micro_batch != run_micro or slots % world_size:
             relayout = f"the run's global batch {run_global} is kept on {world_size} process(es)"
             if flags_batch != run_global:
                 relayout += f" (this command's --batch-size/--accum-steps, which give {flags_batch}, are not used)"
-            relayout += f": micro-batch {micro_batch} x accumulation {accum_steps}"
+            if slots % world_size:
+                shares = ",".join(str(len(range(rank, slots, world_size))) for rank in range(world_size))
+                relayout += (
+                    f": {slots} micro-batches of {micro_batch} spread {shares} over the ranks (uneven: a step lasts as "
+                    f"long as {accum_steps} micro-batch(es), and its gradients are summed in one all-reduce after them)"
+                )
+            else:
+                relayout += f": micro-batch {micro_batch} x accumulation {accum_steps}"
             if micro_batch != run_micro:
                 relayout += (
                     f"; the run's micro-batch was {run_micro}: the steps keep their samples, a model with BatchNorm "
@@ -250,7 +294,7 @@ def make(
             "second: start with --accum-steps 2 (or 2+ processes)"
         )
     if trace is None:
-        global_batch = micro_batch * world_size * accum_steps
+        global_batch = micro_batch * world_size * accum_steps if run_batch is None else run_batch[0]
         if global_batch > num_train:
             raise UserError(
                 f"the global batch {global_batch} (--batch-size {micro_batch} x {world_size} processes x "
@@ -310,28 +354,47 @@ def epoch_steps(num_train: int, global_batch: int, micro_batch: int, drop_last: 
 
 
 def layout(
-    global_batch: int, world_size: int, ceiling: int, prefer: int, num_train: int, drop_last: bool = False
-) -> tuple[int, int]:
-    """(micro-batch, accumulation steps) with micro-batch x `world_size` x accumulation = `global_batch`: the run's
-    own micro-batch `prefer` where it fits under `ceiling` (--batch-size), else the largest one that does and keeps
-    the run's steps per epoch (its schedule)."""
+    global_batch: int,
+    world_size: int,
+    ceiling: int,
+    prefer: int,
+    num_train: int,
+    drop_last: bool = False,
+    equal_shares: str = "",
+) -> int:
+    """The micro-batch that keeps `global_batch` on `world_size` processes: one that divides it and keeps the run's
+    steps per epoch (its schedule), at most `ceiling` (--batch-size). The run's own micro-batch `prefer` where it fits
+    under the ceiling, whether or not the world size divides the step's micro-batches (the ranks' shares may be
+    uneven: the same micro-batches as the run's, BatchNorm's groups included); else the largest that the world size
+    divides, failing that the largest. With `equal_shares` (what needs every rank to run as many micro-batches), only
+    one the world size divides: the run's own if it is one, else the largest."""
     steps = epoch_steps(num_train, global_batch, prefer, drop_last)
-    fits = [
+    sizes = [
         m
-        for m in range(min(ceiling, global_batch // world_size), 0, -1)
-        if global_batch % (m * world_size) == 0 and epoch_steps(num_train, global_batch, m, drop_last) == steps
+        for m in range(min(ceiling, global_batch), 0, -1)
+        if global_batch % m == 0 and epoch_steps(num_train, global_batch, m, drop_last) == steps
     ]
+    even = [m for m in sizes if global_batch // m % world_size == 0]
+    if equal_shares:
+        fits = even
+    else:
+        fits = [prefer] if prefer in sizes else even or sizes
+    if not fits and not equal_shares:
+        raise UserError(
+            f"the run's global batch {global_batch} cannot be kept with micro-batches of at most --batch-size "
+            f"{ceiling}: none that divides it makes its {steps} steps an epoch; pass --batch-size {prefer} (the run's "
+            "micro-batch), or start a new run (another -n)"
+        )
     if not fits:
         sizes = [n for n in range(1, global_batch + 1) if global_batch % n == 0][:8]
         raise UserError(
-            f"the run's global batch {global_batch} cannot be kept on {world_size} processes (micro-batch x "
-            f"{world_size} x accumulation never makes {global_batch} in {steps} steps an epoch, the micro-batch at "
-            f"most --batch-size {ceiling}): launch a number of processes that divides it "
-            f"({', '.join(map(str, sizes))}{', ...' if global_batch > sizes[-1] else ''}), or start a new run "
-            "(another -n)"
+            f"the run's global batch {global_batch} cannot be kept on {world_size} processes: {equal_shares} needs "
+            f"every rank to run as many micro-batches in a step, and micro-batch x {world_size} x accumulation never "
+            f"makes {global_batch} in {steps} steps an epoch (the micro-batch at most --batch-size {ceiling}): launch "
+            f"a number of processes that divides it ({', '.join(map(str, sizes))}"
+            f"{', ...' if global_batch > sizes[-1] else ''}), or start a new run (another -n)"
         )
-    micro = prefer if prefer in fits else fits[0]
-    return micro, global_batch // (micro * world_size)
+    return prefer if prefer in fits else fits[0]
 
 
 def recorded(state: dict | None) -> tuple[int, int] | None:

@@ -1,6 +1,7 @@
 """Task files as a user writes them (see task.py), for the tests of what happens across ranks: a model with a branch
 that some batches skip, a head no step uses, a rank that fails in its fifth step, a rank that stops answering, a
-mistake that every rank finds, rank 0 last. Each is the built-in digits task with one change.
+mistake that every rank finds, rank 0 last, tiny models for many ranks. Each is the built-in digits task with one
+change.
 
     torchrun --standalone --nproc_per_node=2 run.py --task tests/rank_tasks.py:SometimesAux -b 8
 """
@@ -152,3 +153,20 @@ def _language_model():
 
 class PreemptedLM(Preempting, _language_model()):
     """The language-model example (a loss over tokens, units()), preempted on cue."""
+
+
+class PreemptedTinyMLP(Preempting, Task):
+    """The built-in task with a tiny model of two linear layers (no BatchNorm), preempted on cue: cheap on 7 ranks."""
+
+    norm = False
+
+    def model(self):
+        pixels = self.in_channels * self._image_size[0] * self._image_size[1]
+        norm = [nn.BatchNorm1d(16)] if self.norm else []
+        return nn.Sequential(nn.Flatten(), nn.Linear(pixels, 16), *norm, nn.ReLU(), nn.Linear(16, self.num_classes))
+
+
+class PreemptedTinyBN(PreemptedTinyMLP):
+    """The same tiny model with a BatchNorm layer: its batch statistics follow each micro-batch's samples."""
+
+    norm = True

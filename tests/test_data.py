@@ -150,10 +150,10 @@ def test_an_unaccumulated_rank_takes_what_distributed_sampler_gives_it():
 def test_a_resumed_run_keeps_its_global_batch_at_another_world_size():
     from ddp_tricks import plan
 
-    def resumed(world_size, batch_size=16):
+    def resumed(world_size, batch_size=16, equal_shares=""):
         return plan.make(num_train=500, world_size=world_size, micro_batch=batch_size, accum_steps=1, epochs=1,
                          seed=0, base_lr=0.1, lr_scaling="keep", base_batch=96, warmup_epochs=0,
-                         run_batch=(96, 16))  # fmt: skip
+                         run_batch=(96, 16), equal_shares=equal_shares)  # fmt: skip
 
     assert [(p.micro_batch, p.accum_steps, p.global_batch) for p in map(resumed, (1, 2, 3, 6))] == [
         (16, 6, 96), (16, 3, 96), (16, 2, 96), (16, 1, 96)]  # fmt: skip
@@ -161,13 +161,21 @@ def test_a_resumed_run_keeps_its_global_batch_at_another_world_size():
         "the run's global batch 96 is kept on 2 process(es) (this command's --batch-size/--accum-steps, which give "
         "32, are not used): micro-batch 16 x accumulation 3"
     )
-    four = resumed(4)  # 96 = 24 x 4: the micro-batch changes, and the plan says so
-    assert (four.micro_batch, four.accum_steps) == (12, 2) and "BatchNorm" in four.relayout
-    assert resumed(4, batch_size=8).micro_batch == 8  # --batch-size stays the ceiling
+    four = resumed(4)  # 6 micro-batches of 16 on 4: the run's micro-batches, in uneven shares
+    assert (four.micro_batch, four.accum_steps, four.shares(), four.uneven_shares) == (16, 2, [2, 2, 1, 1], True)
+    assert "6 micro-batches of 16 spread 2,2,1,1" in four.relayout and "BatchNorm" not in four.relayout
+    # what needs equal shares (FSDP) takes a micro-batch the world size divides: 96 = 12 x 4 x 2, and says so
+    four = resumed(4, equal_shares="--strategy fsdp")
+    assert (four.micro_batch, four.accum_steps, four.uneven_shares) == (12, 2, False) and "BatchNorm" in four.relayout
+    assert resumed(4, batch_size=8).micro_batch == 8  # --batch-size stays the ceiling (12 slots: 3 each)
     assert resumed(6).relayout == ""  # the layout it was written with
+    assert resumed(5).shares() == [2, 1, 1, 1, 1]
     with pytest.raises(UserError) as error:
-        resumed(5)
-    assert str(error.value).startswith("the run's global batch 96 cannot be kept on 5 processes")
+        resumed(5, equal_shares="--strategy fsdp (why)")
+    assert str(error.value).startswith(
+        "the run's global batch 96 cannot be kept on 5 processes: --strategy fsdp (why) needs every rank to run as "
+        "many micro-batches in a step"
+    )
     assert "1, 2, 3, 4, 6, 8, 12, 16, ..." in str(error.value)
 
 
@@ -184,10 +192,10 @@ def test_the_global_batch_of_a_checkpoint_from_before_the_plan_was_recorded_come
 def test_a_resume_that_must_change_the_micro_batch_keeps_the_run_s_steps_per_epoch():
     from ddp_tricks import plan
 
-    def planned(world_size, batch_size=8, num_train=99):
+    def planned(world_size, batch_size=8, num_train=99, equal_shares="--strategy fsdp"):
         return plan.make(num_train=num_train, world_size=world_size, micro_batch=batch_size, accum_steps=1,
                          epochs=2, seed=0, base_lr=0.1, lr_scaling="keep", base_batch=24, warmup_epochs=0,
-                         run_batch=(24, 8))  # fmt: skip
+                         run_batch=(24, 8), equal_shares=equal_shares)  # fmt: skip
 
     # 99 = 4 x 24 + 3: the short step's 3 samples fill the 3 slots of 8, so the run takes 5 steps an epoch
     assert (planned(1).micro_batch, planned(1).accum_steps, planned(1).steps_per_epoch) == (8, 3, 5)
@@ -195,6 +203,11 @@ def test_a_resume_that_must_change_the_micro_batch_keeps_the_run_s_steps_per_epo
     with pytest.raises(UserError) as error:  # on 4 processes every micro-batch (6, 3, 2, 1) makes 4+ slots: 4 steps
         planned(4)
     assert "cannot be kept on 4 processes" in str(error.value) and "in 5 steps an epoch" in str(error.value)
+    uneven = planned(4, equal_shares="")  # in uneven shares, the run's 3 micro-batches of 8 keep the 5 steps
+    assert (uneven.micro_batch, uneven.shares(), uneven.steps_per_epoch) == (8, [1, 1, 1, 0], 5)
+    with pytest.raises(UserError) as error:  # a ceiling under the run's micro-batch: 6, 4, 3, 2, 1 make 4 steps
+        planned(4, batch_size=4, equal_shares="")
+    assert "none that divides it makes its 5 steps an epoch; pass --batch-size 8" in str(error.value)
     # 100 = 4 x 24 + 4: on 2 processes with --batch-size 6, micro-batches of 6 (4 slots) keep the 5th step
     two = planned(2, batch_size=6, num_train=100)
     assert (two.micro_batch, two.accum_steps, two.steps_per_epoch) == (6, 2, 5)
@@ -204,10 +217,10 @@ def test_a_resume_that_must_change_the_micro_batch_keeps_the_run_s_steps_per_epo
 def test_a_run_comes_back_to_its_own_micro_batch_after_a_forced_change():
     from ddp_tricks import plan
 
-    def planned(world_size, state):
+    def planned(world_size, state):  # under FSDP, whose ranks need equal shares
         return plan.make(num_train=1000, world_size=world_size, micro_batch=8, accum_steps=3, epochs=1, seed=0,
                          base_lr=0.1, lr_scaling="keep", base_batch=24, warmup_epochs=0,
-                         run_batch=plan.recorded(state))  # fmt: skip
+                         run_batch=plan.recorded(state), equal_shares="--strategy fsdp")  # fmt: skip
 
     one = planned(1, {"plan": {"global_batch_size": 24, "micro_batch": 8}})
     two = planned(2, {"plan": one.summary()})  # 24 = 8 x 2 x 1.5: the micro-batch must change

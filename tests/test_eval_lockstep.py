@@ -209,3 +209,17 @@ def test_a_loss_and_metric_sums_that_call_torch_distributed_finish_on_an_uneven_
     single = _evaluate(0, 1, SimCLRStyle(), 2)  # batch 1 on 2 ranks: one process's global batches of 2 (the last of 1)
     for key, value in single.items():
         assert got[0]["batch 1"][key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_a_task_that_says_it_calls_collectives_gets_equal_shares_of_every_step():
+    """Broken on purpose (the attribute not read): no reason was given, so a world size that does not divide a step's
+    micro-batches would run them in uneven shares, and the task's collectives would wait for a rank with fewer."""
+    from ddp_tricks.training import preflight
+
+    setup = preflight.Setup(world_size=3)
+    assert preflight.equal_shares(setup, SimCLRStyle(), [], False) == ""  # evaluation alone needs nothing
+
+    class InTraining(SimCLRStyle):
+        collectives = True
+
+    assert "the task's own collectives (collectives = True)" in preflight.equal_shares(setup, InTraining(), [], False)

@@ -236,7 +236,7 @@ def _reshard(rank, world_size, source, target):
     model = task.model()
     plan = run.make_plan(flags, len(train_set), world_size)
     plan, found = preflight.check(
-        task, model, train_set, preflight.Setup(world_size, **cli.check_options(flags)), lambda: plan
+        task, model, train_set, preflight.Setup(world_size, **cli.check_options(flags)), lambda _: plan
     )
     t = run.build_training(flags, task, model, found, plan, Dist(rank, world_size, rank, CPU, "gloo"))
     t.load_state_dict(checkpoint.load(source, "fsdp"), str(source))

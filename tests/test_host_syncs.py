@@ -82,14 +82,14 @@ def _repeats(args, kwargs):
     return args[1] if len(args) > 1 else args[0]
 
 
-def syncs_per_step(t, trace=None, accum_steps=1, nonfinite_at=None, micro_batch=32) -> list[list[str]]:
+def syncs_per_step(t, trace=None, accum_steps=1, nonfinite_at=None, micro_batch=32, **resumed) -> list[list[str]]:
     """Train `t` for STEPS steps on the digits with the loop run.py runs; the host syncs of each step after the
     first. The micro-batches are fetched beforehand (data loading happens on the host: no device to wait for).
-    `nonfinite_at`: the step whose inputs are NaN."""
+    `nonfinite_at`: the step whose inputs are NaN; `resumed`: a resume's world_size and run_batch (rank 0's steps)."""
     train_set, _ = image_data.digits()
-    the_plan = planning.make(num_train=len(train_set), world_size=1, micro_batch=micro_batch,
-                             accum_steps=accum_steps, epochs=1, seed=0, base_lr=0.05, lr_scaling="keep",
-                             base_batch=32, warmup_epochs=0, trace=trace, trace_end="repeat-last")  # fmt: skip
+    the_plan = planning.make(num_train=len(train_set), micro_batch=micro_batch, accum_steps=accum_steps, epochs=1,
+                             seed=0, base_lr=0.05, lr_scaling="keep", base_batch=32, warmup_epochs=0, trace=trace,
+                             trace_end="repeat-last", **({"world_size": 1} | resumed))  # fmt: skip
     steps = the_plan.epoch(1, 0)[:STEPS]
     batches = list(tiny.loader_for(train_set, steps))
     if nonfinite_at is not None:
@@ -192,6 +192,17 @@ def traced(adascale=None):
     t = toy()
     t.reduction = trace_reduction.TraceReduction([p for p in t.model.parameters() if p.requires_grad], 16, adascale)
     return t
+
+
+def test_an_uneven_share_s_step_makes_no_host_sync():
+    """Broken on purpose: an `.item()` in TraceReduction.finish for uneven shares is counted, once a step."""
+    # 64 as 4 micro-batches of 16 on 3 processes: rank 0 runs 2 a step, its gradients summed by hand (TraceReduction;
+    # no process group here: its all-reduce is left out, which syncs nothing on the host either)
+    t = toy()
+    t.reduction = trace_reduction.TraceReduction([p for p in t.model.parameters() if p.requires_grad], 16, slots=4)
+    steps = syncs_per_step(t, micro_batch=16, world_size=3, run_batch=(64, 16))
+    assert steps == [[]] * (STEPS - 1)
+    assert t.global_step == STEPS and t.epoch_samples == STEPS * 2 * 16  # rank 0's 2 micro-batches of every step
 
 
 def test_a_traced_step_makes_no_host_sync_and_adascale_its_documented_one():

@@ -166,7 +166,7 @@ def _train_finetune(rank, world_size, strategy):
     model = task.model()
     setup = preflight.Setup(world_size, **cli.check_options(flags))
     plan, found = preflight.check(
-        task, model, train_set, setup, lambda: run.make_plan(flags, len(train_set), world_size)
+        task, model, train_set, setup, lambda equal: run.make_plan(flags, len(train_set), world_size, None, equal)
     )
     dist = Dist(rank, world_size, rank, CPU, "gloo")
     t = run.build_training(flags, task, model, found, plan, dist)

@@ -79,5 +79,6 @@ def check_options(flags: argparse.Namespace) -> dict:
         "ddp_waits_for_every_gradient": flags.strategy == "ddp"
         and not (flags.find_unused_parameters or flags.static_graph),
         "traced": flags.batch_trace is not None,
+        "sync_bn": flags.sync_bn,
         "noise_scale": flags.noise_scale,
     }

@@ -1,7 +1,8 @@
-"""A traced run's gradient reduction, in place of DDP's (--batch-trace: the ranks hold different numbers of a step's
-micro-batches): each rank's share of the step's mean gradient summed across ranks in one all-reduce, with AdaScale's
-gain (Johnson et al., 2020) and the noise scale's small batches read from the micro-batch gradients on the way. Here,
-below both the training loop and the original trace API (traces/original_api.py), which reduce alike.
+"""A traced run's gradient reduction, in place of DDP's (--batch-trace, or a world size that leaves the plan's
+shares uneven: the ranks hold different numbers of a step's micro-batches, some maybe none): each rank's share of
+the step's mean gradient summed across ranks in one all-reduce, with AdaScale's gain (Johnson et al., 2020) and the
+noise scale's small batches read from the micro-batch gradients on the way. Here, below both the training loop and
+the original trace API (traces/original_api.py), which reduce alike.
 """
 
 from __future__ import annotations
@@ -104,13 +105,16 @@ def _all_reduce_flat(tensors: list[torch.Tensor]) -> None:
 
 
 class TraceReduction:
-    """A traced run's gradient reduction, in place of DDP's (the model is not DDP-wrapped): each rank's
-    micro-batch losses are divided by the step's global batch B and their gradients summed, then summed across
+    """A traced (or unevenly shared) run's gradient reduction, in place of DDP's (the model is not DDP-wrapped): each
+    rank's micro-batch losses are divided by the step's global batch B and their gradients summed, then summed across
     ranks: the exact mean gradient over the B samples, however unevenly the ranks hold them."""
 
-    def __init__(self, params: list[torch.Tensor], micro_batch: int, adascale: AdaScale | None = None, noise=None):
+    def __init__(
+        self, params: list[torch.Tensor], micro_batch: int, adascale: AdaScale | None = None, noise=None, slots: int = 0
+    ):
         self.params = params
         self.micro_batch = micro_batch
+        self.slots = slots  # uneven shares: the micro-batches of every step (a short last one's too); 0: traced
         self.adascale = adascale
         self.noise = noise  # the gradient noise scale's estimator (training/noise.py), or None
         self._accumulated: list[torch.Tensor] | None = None
@@ -139,7 +143,7 @@ class TraceReduction:
             grads = self._accumulated
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        count = -(-batch // self.micro_batch)
+        count = self.slots or -(-batch // self.micro_batch)
         big = batch if units is None else units
         gain = reduce_gradients(self.params, grads, self._sq_norms, self.adascale, count, self.noise, big, loss_scale)
         self._accumulated, self._sq_norms = None, 0.0

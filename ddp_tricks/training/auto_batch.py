@@ -37,7 +37,7 @@ def not_measured(
         return "not with a loss over the global batch (no rank's gradient is its own samples')"
     if strategy == "fsdp":
         return "not under --strategy fsdp (each rank holds slices of the gradients)"
-    if traced:
+    if traced:  # or unevenly shared: reduced by hand alike
         return None  # a traced step's micro-batches are its small batches (TraceReduction); a step of one is skipped
     if world_size == 1 and accum_steps == 1:
         return "it needs two batch sizes per step: 2+ processes, or --accum-steps 2+ on one"
@@ -56,7 +56,7 @@ def refuse_auto_without(why_not: str | None) -> None:
 def describe(plan: Plan, units: bool = False) -> str:
     """Where a run's small batches come from, for its log; `units`: the task counts units of its own (units()), in
     which the batch sizes, and so the noise scale, are counted."""
-    if plan.traced:
+    if plan.manual_reduction:  # traced, or uneven shares: TraceReduction reads each micro-batch's gradient
         small, source, big = plan.micro_batch, "each micro-batch's gradient", ""
     elif plan.world_size > 1:
         small, source, big = plan.micro_batch * plan.accum_steps, "each rank's gradient", f" ({plan.global_batch})"

@@ -30,6 +30,7 @@ class Setup:
     apex: bool = False  # --amp-backend apex
     ddp_waits_for_every_gradient: bool = False  # DDP without --find-unused-parameters or --static-graph
     traced: bool = False  # --batch-trace: a traced run reduces its gradients itself (no DDP reducer)
+    sync_bn: bool = False  # --sync-bn
     noise_scale: bool = True  # not --no-noise-scale
 
 
@@ -85,11 +86,30 @@ def describe_group(group: dict) -> str:
     return f"{group['name']} ({len(group['params'])} tensors, LR x{group['lr_mult']:g}{decay})"
 
 
-def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[], Plan]) -> tuple[Plan, Findings]:
+def equal_shares(setup: Setup, task, sparse: list[str], global_loss: bool) -> str:
+    """What in this run needs every rank to run as many of a step's micro-batches ("": nothing). Without it, a world
+    size that does not divide them (a resume on another number of processes) spreads them unevenly, the gradients
+    summed by hand; with it, such a world size is refused in one line (plan.layout)."""
+    if setup.strategy == "fsdp":
+        return "--strategy fsdp (each forward gathers from every rank; --strategy ddp takes uneven shares)"
+    if setup.sync_bn:
+        return "--sync-bn (each forward is a collective)"
+    if global_loss:
+        return "the task's loss, which gathers from every rank (gather_with_grad),"
+    if getattr(task, "cached_accumulation", False):
+        return "the task's cached accumulation (cached_accumulation = True)"
+    if getattr(task, "collectives", False):
+        return "the task's own collectives (collectives = True), which every rank must call as often,"
+    if sparse:
+        return "the model's sparse gradients (which only DDP reduces)"
+    return ""
+
+
+def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[str], Plan]) -> tuple[Plan, Findings]:
     """Every start-up check of the task against this run, in order: the task's own pieces first (a task that does
-    not fit together is said before anything that depends on it), then `make_plan()` (the run's plan, whose own
-    mistakes come next), then the task against the plan. The plan and the record of what was found. Also
-    initialises lazy modules (the first forward)."""
+    not fit together is said before anything that depends on it), then `make_plan(equal_shares)` (the run's plan,
+    given what needs equal shares of a step's micro-batches; its own mistakes come next), then the task against the
+    plan. The plan and the record of what was found. Also initialises lazy modules (the first forward)."""
     collate = getattr(task, "collate", None)
     sums = seam.check_task(task, model, dataset, collate)
     scoring = seam.check_scoring(task, model, dataset, collate)
@@ -104,16 +124,22 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
         folded = [units[i] for i in skipped]
         units = [unit for i, unit in enumerate(units) if i not in skipped]
         shard_line = fsdp.describe_units(model, units, folded)
-    plan = make_plan()
+    global_loss = seam.check_global_loss(task, model, dataset, collate, traced=setup.traced)
+    plan = make_plan(equal_shares(setup, task, sparse, global_loss))
     seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl)
     seam.check_batchnorm(model, dataset, collate, plan.smallest_micro_batch, plan.why_small())
-    global_loss = seam.check_global_loss(task, model, dataset, collate, traced=plan.traced)
     accumulation = cached.choose(task, plan.accum_steps, plan.traced, setup.apex)
     no_noise_scale = "--no-noise-scale"
     if setup.noise_scale:
         whole_steps = accumulation is not None or setup.apex
         no_noise_scale = auto_batch.not_measured(
-            setup.world_size, plan.accum_steps, setup.strategy, plan.traced, whole_steps, bool(sparse), global_loss
+            setup.world_size,
+            plan.accum_steps,
+            setup.strategy,
+            plan.manual_reduction,
+            whole_steps,
+            bool(sparse),
+            global_loss,
         )
     if plan.auto:
         auto_batch.refuse_auto_without(no_noise_scale)
