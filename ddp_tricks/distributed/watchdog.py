@@ -214,6 +214,7 @@ def _position(thread_id: int | None):
 
 
 def _exit(code: int) -> None:
+    heartbeat.disarm()  # this rank's stacks file goes if empty (one written on a hang, or on abort, stays)
     os._exit(code)  # no teardown, no atexit: a teardown would wait for the collectives in flight
 
 
@@ -284,7 +285,6 @@ def leave(code: int, said: bool = True) -> int:
             code = int(watch.store.get(CODE))
         except Exception:
             pass
-    heartbeat.disarm()  # this rank's empty stacks file goes; a peer's, written when it aborted, stays
     if watch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         time.sleep(STORE_EVERY * POLL + PEER_GRACE)  # rank 0 then hosts the store: the others must read it first
     _flush()
