@@ -133,8 +133,8 @@ def rows(run_dir):
 def test_torchrun_restarts_a_job_whose_rank_stopped_and_finishes_bit_identical(tmp_path):
     """Under `torchrun --max-restarts 1`, rank 1 stops at its 50th step: the watchdog ends rank 0 and kills the
     stopped rank, torchrun restarts the job, and `--resume auto` continues from the step-40 checkpoint to the same
-    weights and metrics as an uninterrupted run. Broken on purpose: a verdict said but the job not ended (watchdog.py)
-    fails it."""
+    weights and metrics as an uninterrupted run. Broken on purpose: a stopped rank left to torchrun (no end_silent: its
+    SIGTERM waits, its SIGKILL comes 30 s later) fails it."""
     flags = [*TASK, "--batch-size", "4", "--epochs", "1", "--checkpoint-every-steps", "20", "--runs-dir", tmp_path]
     reference = launch([*flags, "-n", "reference"], timeout=180)
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -147,12 +147,16 @@ def test_torchrun_restarts_a_job_whose_rank_stopped_and_finishes_bit_identical(t
         wait_for(lambda: (run_dir / "workers.json").exists() or proc.poll() is not None, 120, "the workers")
         pids = json.loads((run_dir / "workers.json").read_text())["pids"]
         wait_for(lambda: state(pids[1]) == "T" or proc.poll() is not None, 120, "rank 1 to stop")
+        stopped = time.monotonic()
         shutil.copy(run_dir / "last.pt", tmp_path / "restarted-from.pt")  # rank 0 waits for rank 1: no new one
+        wait_for(lambda: state(pids[1]) != "T", 120, "the stopped rank to end")
+        ended = time.monotonic() - stopped  # torchrun's own SIGKILL would come 30 s after its SIGTERM
         out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert "error: the job hangs: rank 1 is silent" in err
+    assert ended < 5 + 15, ended
     assert torch.load(tmp_path / "restarted-from.pt", weights_only=True)["global_step"] == 40
     assert_resumed(out, tmp_path / "restarted-from.pt", final_step(tmp_path / "reference"))
     assert rows(run_dir) == rows(tmp_path / "reference")

@@ -318,6 +318,7 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 _TEMPLATE = {
     _PACKAGE.parent / name for name in ("run.py", "lars.py", "lamb.py", "lookahead.py", "customized_function.py")
 }
+_WATCH = {Path(__file__).resolve(), Path(__file__).resolve().parent / "watchdog.py"}  # never where a rank waits
 _LIBRARY = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
 
 
@@ -338,6 +339,8 @@ def where(frames: list) -> str:
         if not path.is_absolute() or str(path.resolve()).startswith(_LIBRARY):
             continue
         path = path.resolve()
+        if path in _WATCH:
+            continue
         if path.is_relative_to(_PACKAGE):
             inner = frame
         elif path in _TEMPLATE:
