@@ -163,3 +163,17 @@ def test_torchrun_restarts_a_job_whose_rank_stopped_and_finishes_bit_identical(t
     a = torch.load(run_dir / "last.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "reference" / "last.pt", weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not (shutil.which("gcc") or shutil.which("g++")), reason="torch.compile on CPU needs a C compiler")
+def test_a_real_compile_raises_no_alarm(tmp_path):
+    """`--compile` for real, 2 ranks, thresholds of 2 to 4 s: the first step compiles for seconds, and so does the
+    epoch's last, shorter step (a recompile at step 23) and the first evaluation. The run ends normally. Broken on
+    purpose: a compile not told apart from a hang (heartbeat.compiling) fails it at step 23."""
+    flags = ["--no-progress", *SHORT, "--runs-dir", tmp_path, "-n", "compiled", "--compile"]
+    flags += ["--hang-timeout", "2", "--hang-factor", "2", "--heartbeat-timeout", "4"]
+    result = launch(flags, timeout=360)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hangs" not in result.stderr

@@ -12,7 +12,8 @@ from the main thread's stack), and on ranks 0 and N-1 (the observers) reads ever
 - no rank makes progress: every rank not finished has made none for max(--hang-factor x the slowest step seen,
   --hang-timeout) in training, or, in a phase of long legitimate work (start-up, a first step, evaluation, a
   checkpoint, figures, precise BN), for --hang-timeout while waiting in a torch.distributed call. A rank working in
-  such a phase (its main thread anywhere else: a compile, torch.save, a slow evaluation) is never counted as stuck.
+  such a phase (its main thread anywhere else: torch.save, a slow evaluation), or compiling (torch.compile's
+  frames on its stack, at any step), is never counted as stuck.
 
 Then the observer that claims the verdict asks every live rank for its stacks (stacks-rankR.txt) and its line, says
 the cause and the lines, ends a silent rank on its own host (SIGKILL: a stopped process takes no SIGTERM, and
@@ -172,6 +173,7 @@ class Heart:
             "idle": now - _moved,
             "slowest": _slowest,
             "waits": collective(frames),
+            "compiles": compiling(frames),
             "where": where(frames),
             "pid": os.getpid(),
             "host": self.host,
@@ -191,8 +193,8 @@ class Heart:
         for b in live:
             if b["idle"] < (deadline if b["phase"] == "train" else _settings["floor"]):
                 return None
-            if b["phase"] != "train" and not b["waits"]:
-                return None  # long legitimate work (every phase but training), not waiting on the others
+            if b["phase"] != "train" and not b["waits"] or b.get("compiles"):
+                return None  # long legitimate work (every phase but training, or a compile), not a wait
         if not live:
             return None
         what = stuck_collective({r: b["waits"] for r, b in enumerate(beats) if b["phase"] != "done"})
@@ -274,7 +276,7 @@ def _ranks(ranks: list[int]) -> str:
 
 def describe(b: dict) -> str:
     """Where a rank waits or works, from its heartbeat: phase, step, the collective, the first frame of its code."""
-    doing = f"waits in {b['waits']}" if b["waits"] else "is"
+    doing = f"waits in {b['waits']}" if b["waits"] else "compiles" if b.get("compiles") else "is"
     phase_at = b["phase"] + (f" step {b['step']}" if b["phase"] in ("train", "first step") else "")
     stacks = f"; stacks in {b['stacks']}" if b.get("stacks") else ""
     return f"{phase_at}, {doing} at {b['where']} (idle {b['idle']:.0f} s){stacks}"
@@ -328,6 +330,16 @@ def collective(frames: list) -> str:
         if frame.f_code.co_filename.endswith("distributed_c10d.py"):
             return frame.f_code.co_name
     return ""
+
+
+def compiling(frames: list) -> bool:
+    """The thread compiles (torch.compile's Dynamo or Inductor on its stack): long work at any step, not a hang
+    (the last, shorter batch of an epoch compiles again, as does the first evaluation)."""
+    return any(("/torch/_dynamo/" in name or "/torch/_inductor/" in name) for name in map(_filename, frames))
+
+
+def _filename(frame) -> str:
+    return frame.f_code.co_filename
 
 
 def where(frames: list) -> str:
