@@ -30,7 +30,7 @@ from customized_function import DETERMINISTIC_NOTE, EarlyStopping, same_seeds, u
 from ddp_tricks import failures, models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, fsdp, launch, watchdog, wrap
+from ddp_tricks.distributed import collectives, fsdp, heartbeat, launch, watchdog, wrap
 from ddp_tricks.distributed.preemption import Preemption
 from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
 from ddp_tricks.errors import UserError
@@ -85,6 +85,7 @@ def run(flags, task, process: launch.Launch) -> int:
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
     run_folder.check(Path(flags.run_dir), resume=continues, overwrite=flags.overwrite)
 
+    heartbeat.configure(flags.run_dir, process.world_size, **cli.hang_options(flags))  # the watchdog's thresholds
     dist = launch.setup(
         process, flags.device, flags.backend, flags.dist_timeout, flags.strategy == "fsdp", flags.sigterm_grace
     )
@@ -169,6 +170,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
             return failures.PREEMPTED
 
     if t.rank == 0:
+        heartbeat.phase("figures")  # long work on rank 0 alone: not a hang
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
     log.info(t.describe_steps())
     log.info(t.best.describe(folder.path))

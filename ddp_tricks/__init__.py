@@ -8,7 +8,7 @@ not import torch (so `run.py --help` answers at once): the names that need it ar
     cli/          the command line: flags by trick, --config files, --task loading, checks
     plan.py       numbers derived once: global batch, LR, steps, each epoch's per-step plan
     training/     THE loop and the exact evaluation, the training state, precision, precise BN
-    distributed/  launch detection, process group, DDP wrapping, reductions, preemption, the watchdog
+    distributed/  launch detection, process group, DDP wrapping, reductions, preemption, the watchdog, heartbeats
     data/         samplers and loaders, in-memory data, the built-in task's image readers
     storage/      the run folder and checkpoints
     schedules/    learning-rate schedules        optim/  the optimizer a run names

@@ -9,12 +9,13 @@ import traceback
 from pathlib import Path
 
 from ddp_tricks import cli
-from ddp_tricks.distributed import watchdog
+from ddp_tricks.distributed import heartbeat, watchdog
 from ddp_tricks.errors import UserError, report
 from ddp_tricks.storage import checkpoint
 
 PREEMPTED = 143  # exit code after SIGTERM: the last checkpoint holds the state, `--resume auto` continues exactly
 NONFINITE = 3  # exit code after a NaN/inf loss
+HUNG = heartbeat.HUNG  # 4: a rank went silent, or no rank made progress (a stuck collective); the watchdog ended it
 USER_ERROR = 2
 BUG = 1
 
@@ -53,7 +54,10 @@ def bug(error: BaseException, flags, rank: int) -> int:
         raise error
     if watchdog.fail(BUG):
         gone = watchdog.lost_peer(error)  # not a bug here: another process died first, without a word
-        if gone:
+        aborted = heartbeat.aborted_peers(getattr(flags, "run_dir", None), rank, _world_size()) if gone else {}
+        if aborted:  # it aborted in a collective: gloo's "Received data size doesn't match expected size"
+            report(f"on rank {rank}: {mismatch(aborted, error)}")
+        elif gone:
             restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
             restarts = restarts and getattr(flags, "resume", None) == "auto"
             then = "torchrun restarts the job from the last checkpoint" if restarts else "resume it with -n NAME"
@@ -64,3 +68,21 @@ def bug(error: BaseException, flags, rank: int) -> int:
         else:
             traceback.print_exception(error)
     return watchdog.leave(BUG)
+
+
+def mismatch(aborted: dict[int, str], error: BaseException) -> str:
+    """A collective mismatch, said as one: which ranks aborted in which collective (from their stacks files), and
+    where this rank was (from its error's traceback)."""
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    here = heartbeat.collective(frames) or "a collective"
+    there = "; ".join(f"rank {r} aborted in {at}" for r, at in sorted(aborted.items()))
+    return (
+        f"a collective mismatch: {there}, while this rank was in {here} at {heartbeat.where(frames)} (gloo's "
+        '"Received data size doesn\'t match expected size" above): the ranks called different collectives, or the '
+        "same with different sizes. Every rank must call the same collectives in the same order with the same "
+        "shapes; a resume fails the same way until the code is fixed (TORCH_DISTRIBUTED_DEBUG=DETAIL names both)"
+    )
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -20,7 +20,14 @@ from ddp_tricks.cli import config_file
 from ddp_tricks.cli.checks import check, given_flags
 from ddp_tricks.cli.config_file import blame
 from ddp_tricks.cli.flags import Parser, build_parser
-from ddp_tricks.cli.options import check_options, loader_options, optimizer_options, plan_options, schedule_options
+from ddp_tricks.cli.options import (
+    check_options,
+    hang_options,
+    loader_options,
+    optimizer_options,
+    plan_options,
+    schedule_options,
+)
 from ddp_tricks.cli.tasks import DEFAULT_TASK, load_task, mode_of, monitored_metric
 from ddp_tricks.errors import UserError, report
 
@@ -38,6 +45,7 @@ __all__ = [
     "schedule_options",
     "loader_options",
     "check_options",
+    "hang_options",
 ]
 
 

@@ -118,6 +118,10 @@ def _check_values(cfg: argparse.Namespace) -> None:
         raise UserError(f"--dist-timeout must be > 0 seconds, got {cfg.dist_timeout}")
     if not cfg.sigterm_grace > 0:
         raise UserError(f"--sigterm-grace must be > 0 seconds, got {cfg.sigterm_grace}")
+    for name in ("heartbeat_timeout", "hang_factor", "hang_timeout"):
+        if not getattr(cfg, name) > 0:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} must be > 0, got {getattr(cfg, name)}")
     if not cfg.bucket_cap_mb > 0:
         raise UserError(f"--bucket-cap-mb must be > 0, got {cfg.bucket_cap_mb}")
     if not cfg.early_stop_delta >= 0:

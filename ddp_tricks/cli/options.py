@@ -82,3 +82,12 @@ def check_options(flags: argparse.Namespace) -> dict:
         "sync_bn": flags.sync_bn,
         "noise_scale": flags.noise_scale,
     }
+
+
+def hang_options(flags: argparse.Namespace) -> dict:
+    """distributed.heartbeat.configure's thresholds: a silent rank, and no progress on any rank."""
+    return {
+        "heartbeat_timeout": flags.heartbeat_timeout,
+        "hang_factor": flags.hang_factor,
+        "hang_timeout": flags.hang_timeout,
+    }

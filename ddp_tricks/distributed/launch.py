@@ -131,7 +131,7 @@ def setup(
     # its own queue: agreement never waits behind DDP's traffic; a new group's timeout is gloo's 30 minutes unless given
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     # a failing rank ends the job in seconds; after SIGTERM, a rank stuck in one call ends after `sigterm_grace`
-    watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank(), sigterm_grace)
+    watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank(), sigterm_grace, dist.get_world_size())
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
 
 

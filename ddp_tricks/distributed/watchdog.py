@@ -24,8 +24,11 @@ only between bytecodes, and a main thread inside a gloo or NCCL wait runs none. 
   seconds later, not at once, so a rank that is to say why the job fails is not killed first by the SIGTERM that a
   launcher sends every worker once another has ended.
 
-Costs nothing per step: no host sync, no collective; the thread wakes twice a second (a store lookup every other
-time) and reads the main thread's frame only after a signal.
+- The same thread beats this rank's heartbeat (heartbeat.py) once a second: a rank that goes silent, or a job whose
+  ranks all stop making progress, ends the job with HUNG (4) and one line per rank saying where it waits.
+
+Costs nothing per step: no host sync, no collective; the thread wakes twice a second (a store lookup and a heartbeat
+every other time) and reads the main thread's frame only after a signal.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ import sys
 import threading
 import time
 from datetime import timedelta
+
+from ddp_tricks.distributed import heartbeat
+from ddp_tricks.errors import report
 
 POLL = 0.5  # seconds between the thread's looks at the signal socket
 STORE_EVERY = 2  # looks per store lookup: the store is asked once a second
@@ -54,7 +60,7 @@ _held = False  # a SIGTERM came while held: the process ends HOLD seconds later 
 
 
 class _Watch:
-    def __init__(self, store, rank: int, grace: float = SIGNAL_GRACE):
+    def __init__(self, store, rank: int, grace: float = SIGNAL_GRACE, world_size: int = 1):
         self.store = store
         self.grace = grace
         self.rank = rank
@@ -68,14 +74,17 @@ class _Watch:
         except ValueError:  # not the main thread: no signal watch, the store watch still runs
             pass
         self.main = threading.main_thread().ident
+        self.heart = None if store is None else heartbeat.Heart(store, rank, world_size, self.main)
         self.thread = threading.Thread(target=self._run, name="ddp_tricks-watchdog", daemon=True)
         self.thread.start()
 
     def close(self) -> None:
         self.stopped.set()
+        self.thread.join(timeout=2 * POLL + 1)
+        if self.heart is not None and not _ending:
+            self.heart.done()
         if self.previous_fd is not None:
             signal.set_wakeup_fd(self.previous_fd)
-        self.thread.join(timeout=2 * POLL + 1)
         self.reader.close()
         self.writer.close()
 
@@ -102,12 +111,35 @@ class _Watch:
                     continue
                 if failed and seen_failure is None:
                     seen_failure = now
+                if self.heart is not None and seen_failure is None and not _ending:
+                    self._beat(now)
                 if seen_failure is not None and now - seen_failure >= PEER_GRACE and not _ending:
                     try:
                         code = int(self.store.get(CODE))
                     except Exception:
                         code = 1
                     _exit(code)
+
+    def _beat(self, now: float) -> None:
+        """The heartbeat; when the job hangs (this rank's verdict), say why, rank by rank, and end the job."""
+        try:
+            verdict = self.heart.beat(now)
+        except Exception:  # the store is gone (the job is ending)
+            self.heart = None
+            return
+        if verdict is None or _ending:
+            return
+        run_dir = heartbeat.settings()["run_dir"]
+        log = None if run_dir is None else run_dir / "train.log"
+        cause, *lines = verdict.splitlines()
+        report(f"the job hangs: {cause}", log)
+        for line in lines:
+            report(line, log)
+        fail(heartbeat.HUNG)
+        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            time.sleep(STORE_EVERY * POLL + PEER_GRACE)  # this rank hosts the store: the others must read it first
+        _flush()
+        _exit(heartbeat.HUNG)
 
     def _signals(self) -> set[int]:
         """The signals that arrived since the last look (waits up to POLL seconds for one)."""
@@ -182,16 +214,17 @@ def _position(thread_id: int | None):
 
 
 def _exit(code: int) -> None:
+    heartbeat.disarm()  # this rank's stacks file goes if empty (one written on a hang, or on abort, stays)
     os._exit(code)  # no teardown, no atexit: a teardown would wait for the collectives in flight
 
 
-def start(store, rank: int, grace: float = SIGNAL_GRACE) -> None:
+def start(store, rank: int, grace: float = SIGNAL_GRACE, world_size: int = 1) -> None:
     """Watch this rank: the job's store (`store`, this attempt's prefix) for a peer's failure, and SIGTERM for a
-    stuck main thread. Call from the main thread once the process group exists."""
+    stuck main thread; beat its heartbeat there. Call from the main thread once the process group exists."""
     global _watch, _ending
     stop()
     _ending = False
-    _watch = _Watch(store, rank, grace)
+    _watch = _Watch(store, rank, grace, world_size)
 
 
 def stop() -> None:

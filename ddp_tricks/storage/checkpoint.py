@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ddp_tricks.distributed import heartbeat
 from ddp_tricks.errors import UserError
 from ddp_tricks.storage import sharded
 from ddp_tricks.storage.files import save
@@ -156,6 +157,7 @@ class Checkpoints:
     def save(self, t, also_best: bool = False) -> None:
         """The training state `t` into the run's checkpoint (atomically), and best.pt too; never non-finite
         weights over the last good ones. A sharded run's best.pt holds the whole model's weights only."""
+        heartbeat.phase("checkpoint")  # long legitimate work: the watchdog does not take it for a hang
         t.raise_if_nonfinite(check_weights=True)
         meta = {"config": self.config, "torch_version": str(torch.__version__), "strategy": self.strategy}
         meta["plan"] = self.plan

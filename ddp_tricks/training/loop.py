@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ddp_tricks.data.loaders import batch_of, batch_sizes, seed_epoch
+from ddp_tricks.distributed import heartbeat
 from ddp_tricks.distributed.collectives import (
     all_reduce_sum,
     any_rank,
@@ -185,6 +186,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
         progress.update(first_step)
     accumulate = t.accumulation or plain_accumulation  # chosen when the run was built (cached.py's, or this one)
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
+        heartbeat.step(t.global_step + 1, first=done == first_step + 1)  # a few assignments: the watchdog's progress
         # an epoch's short last step gives the ranks micro-batches of different lengths: only there do the task's
         # gathers (its loss's, its metric sums') exchange their row counts, a host read each
         with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
@@ -300,6 +302,7 @@ def recompute_bn_stats(t: Training, loader, steps: list, samples: int, micro_bat
     rank."""
     if samples < 1:
         return 0
+    heartbeat.phase("precise-bn")
     loader.batch_sampler.start(steps)
     batches = min(-(-samples // (micro_batch * world_size)), len(loader))
     inputs = (to_device(x, t.device, t.channels_last) for x, _ in loader)
@@ -319,6 +322,7 @@ def evaluate(t: Training, loader) -> dict[str, float]:
     forwards gather alike; no count is exchanged. A rank that holds no sample of a round (a set smaller than rounds x
     ranks) runs a batch of no sample through the model and the task's evaluation, uncounted. Uses the unwrapped
     model: a DDP forward would add collectives of its own."""
+    heartbeat.phase("eval")
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
     model.eval()

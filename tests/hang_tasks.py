@@ -1,0 +1,82 @@
+"""Task files for the watchdog's tests (test_hangs.py): the built-in digits task with one fault or one long piece of
+legitimate work, chosen by $FAULT, at the training loss's call $AT (counted per process from 1, once the process group
+exists):
+
+    FAULT=stop     rank 1 stops itself (SIGSTOP) at call AT, in the first attempt only (a restarted one trains on)
+    FAULT=skip     every rank all-reduces a scalar in its loss; at call AT rank 1 skips it and waits in a barrier
+    FAULT=size     at call AT, rank r all-reduces 3 + 2r numbers: gloo aborts the receiving rank (a mismatch)
+    FAULT=eval     rank 0's first validation batch sleeps $SLOW seconds (a slow evaluation)
+    FAULT=first    rank 0's first training step sleeps $SLOW seconds (a first step that compiles)
+    FAULT=save     rank 0's first checkpoint write sleeps $SLOW seconds (a large checkpoint)
+    FAULT=figures  rank 0's figures take $SLOW seconds more (the others have finished)
+
+    torchrun --standalone --nproc_per_node=2 run.py --task tests/hang_tasks.py:Faulty --hang-timeout 3
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from task import Task
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class Faulty(Task):
+    def __init__(self, args):
+        super().__init__(args)
+        self.fault = os.environ.get("FAULT", "")
+        self.at = int(os.environ.get("AT", "1"))
+        self.slow = float(os.environ.get("SLOW", "8"))
+        self.calls = 0
+        self.val_calls = 0
+        if self.fault == "save" and _rank() == 0:
+            from ddp_tricks.storage import checkpoint
+
+            checkpoint.save = self._slow_once(checkpoint.save)
+        if self.fault == "figures" and _rank() == 0:
+            from ddp_tricks import plots
+
+            plots.curves = self._slow_once(plots.curves)
+
+    def _slow_once(self, function):
+        slept = []
+
+        def slow(*args, **kwargs):
+            if not slept:
+                slept.append(True)
+                time.sleep(self.slow)
+            return function(*args, **kwargs)
+
+        return slow
+
+    def loss(self, outputs, targets):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # the checks before the process group
+            return super().loss(outputs, targets)
+        if not torch.is_grad_enabled():  # evaluation
+            self.val_calls += 1
+            if self.fault == "eval" and _rank() == 0 and self.val_calls == 1:
+                time.sleep(self.slow)
+            return super().loss(outputs, targets)
+        self.calls += 1
+        now = self.calls == self.at
+        if self.fault == "first" and _rank() == 0 and self.calls == 1:
+            time.sleep(self.slow)
+        if self.fault == "stop" and now and _rank() == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.fault == "skip":
+            if now and _rank() == 1:
+                dist.barrier()
+            else:
+                dist.all_reduce(torch.ones(1))
+        if self.fault == "size" and now:
+            dist.all_reduce(torch.ones(3 + 2 * _rank()))
+        return super().loss(outputs, targets)

@@ -1,0 +1,179 @@
+"""Never a hang, always the true cause (#39): a rank that goes silent (SIGSTOP) and a stuck collective end the job
+with exit code 4, one line per rank and the live ranks' stacks in the run folder; under torchrun --max-restarts the
+job restarts and finishes bit-identical to an uninterrupted run; long legitimate work raises no alarm; a collective
+mismatch that aborts a rank is said as one. Real processes (tests/hang_tasks.py), small thresholds, bounded waits."""
+
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+from multiproc import REPO, Job, launch, torchrun_command
+from resumed import assert_resumed, final_step
+
+from ddp_tricks import failures
+
+TASK = ["--task", "tests/hang_tasks.py:Faulty", "--no-progress"]
+SHORT = ["--batch-size", "32", "--epochs", "1"]  # 23 steps: seconds
+TIMING = {"epoch_seconds", "samples_per_second"}
+
+
+def env(**values) -> dict:
+    return {**os.environ, **{k: str(v) for k, v in values.items()}}
+
+
+def state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stopped_rank_ends_the_job_with_a_line_per_rank_and_the_live_stacks(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at its 30th step: within --heartbeat-timeout (5 s here) and a few seconds, the job
+    ends with HUNG, saying rank 1 is silent and where each rank was, rank 0's stacks in the run folder. Broken on
+    purpose: an observer that never finds a silent rank (heartbeat.py) fails it (the job runs until the timeout)."""
+    args = [*TASK, "--batch-size", "4", "--epochs", "1", "--runs-dir", tmp_path, "-n", "stop"]
+    with Job([*args, "--heartbeat-timeout", "5"], env=env(FAULT="stop", AT=30)) as job:
+        wait_for(lambda: state(job.pids[1]) == "T" or job.poll() is not None, 120, "rank 1 to stop")
+        stopped = time.monotonic()
+        try:
+            out, err = job.communicate(timeout=60)
+        except subprocess.TimeoutExpired as late:
+            raise AssertionError(f"still running 60 s after the stop:\n{late.stderr[-3000:]}") from None
+        seconds = time.monotonic() - stopped
+        codes = job.exitcodes
+    assert codes[0] == failures.HUNG == 4, (codes, err[-3000:])
+    assert seconds < 5 + 15, seconds  # the timeout, a beat or two, the ranks' answers
+    assert "error: the job hangs: rank 1 is silent: no heartbeat for 5 s" in err, err[-3000:]
+    assert re.search(r"error: rank 0: train step \d+, is at .*backward\(\)", err), err[-3000:]
+    assert re.search(r"error: rank 1: silent for \d+ s \(its process is stopped\); last heard: ", err), err[-3000:]
+    assert "another process of the job is gone" not in err
+    stacks = (tmp_path / "stop" / "stacks-rank0.txt").read_text()
+    assert "Thread MainThread" in stacks and "ddp_tricks-watchdog" in stacks and "_train_steps" in stacks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_skipped_all_reduce_is_found_and_named(tmp_path):
+    """At its 10th step rank 1 skips the loss's all_reduce and waits in a barrier: no rank makes progress, and after
+    max(3 x the slowest step, 3 s) the job ends with HUNG naming the two collectives, each rank's line at the task's
+    frame, and both ranks' stacks. Broken on purpose: a deadline of 1000 x --hang-timeout (heartbeat.py) fails it."""
+    flags = [*TASK, *SHORT, "--runs-dir", tmp_path, "-n", "skip", "--hang-timeout", "3", "--hang-factor", "3"]
+    result = launch(flags, env=env(FAULT="skip", AT=10), timeout=120)
+    assert result.exitcodes == [4, 4], (result.exitcodes, result.stderr[-3000:])
+    err = result.stderr
+    assert re.search(r"error: the job hangs: no progress on any rank for \d+ s \(max\(--hang-factor 3 x", err), err
+    assert (
+        "a collective mismatch: the ranks wait in different collectives (rank 0 in all_reduce, rank 1 in barrier)"
+        in err
+    )
+    assert re.search(r"error: rank 0: train step 10, waits in all_reduce at tests/hang_tasks.py:\d+ loss\(\)", err)
+    assert re.search(r"error: rank 1: train step 10, waits in barrier at tests/hang_tasks.py:\d+ loss\(\)", err)
+    for rank in (0, 1):
+        assert "in loss" in (tmp_path / "skip" / f"stacks-rank{rank}.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_collective_mismatch_that_aborts_a_rank_is_said_as_one(tmp_path):
+    """Rank 0 all-reduces 3 numbers and rank 1 five: gloo aborts the receiver ("Received data size doesn't match
+    expected size"), whose stacks faulthandler writes; the other says a collective mismatch, naming the operation,
+    the ranks and the task's frame, never "another process is gone ... resume it". Broken on purpose: a failure path
+    that does not look for an aborted peer (failures.py) fails it."""
+    flags = [*TASK, *SHORT, "--runs-dir", tmp_path, "-n", "size"]
+    result = launch(flags, env=env(FAULT="size", AT=5), timeout=120)
+    err = result.stderr
+    assert result.returncode != 0
+    said = re.search(r"error: on rank (\d): a collective mismatch: rank (\d) aborted in all_reduce at (\S+)", err)
+    assert said, err[-3000:]
+    assert said[1] != said[2] and said[3] == "tests/hang_tasks.py:" + said[3].split(":")[1]
+    assert "this rank was in all_reduce at tests/hang_tasks.py" in err
+    assert "another process of the job is gone" not in err and "--resume auto" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["eval", "first", "save", "figures"])
+def test_long_legitimate_work_raises_no_alarm(tmp_path, fault):
+    """Rank 0 spends 8 s in a slow evaluation, a first step that compiles, a checkpoint write, or its figures, while
+    rank 1 waits (or has finished): far beyond --hang-timeout 2 x --hang-factor 2 and --heartbeat-timeout 4. The run
+    ends normally, its stacks files gone. Broken on purpose: every phase judged as training (heartbeat.py) fails
+    eval, first and save; a heartbeat that stops at a normal end without saying so fails figures."""
+    flags = [*TASK, *SHORT, "--runs-dir", tmp_path, "-n", fault, "--checkpoint-every-steps", "5"]
+    flags += ["--hang-timeout", "2", "--hang-factor", "2", "--heartbeat-timeout", "4"]
+    result = launch(flags, env=env(FAULT=fault, SLOW=8), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hangs" not in result.stderr
+    assert not list((tmp_path / fault).glob("stacks-rank*.txt"))
+
+
+def rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_torchrun_restarts_a_job_whose_rank_stopped_and_finishes_bit_identical(tmp_path):
+    """Under `torchrun --max-restarts 1`, rank 1 stops at its 50th step: the watchdog ends rank 0 and kills the
+    stopped rank, torchrun restarts the job, and `--resume auto` continues from the step-40 checkpoint to the same
+    weights and metrics as an uninterrupted run. Broken on purpose: a stopped rank left to torchrun (no end_silent: its
+    SIGTERM waits, its SIGKILL comes 30 s later) fails it."""
+    flags = [*TASK, "--batch-size", "4", "--epochs", "1", "--checkpoint-every-steps", "20", "--runs-dir", tmp_path]
+    reference = launch([*flags, "-n", "reference"], timeout=180)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "restarted"
+    cmd = torchrun_command([*flags, "-n", "restarted", "--resume", "auto", "--heartbeat-timeout", "5"])
+    cmd.insert(cmd.index("--standalone") + 1, "--max-restarts=1")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(FAULT="stop", AT=50))  # fmt: skip
+    try:
+        wait_for(lambda: (run_dir / "workers.json").exists() or proc.poll() is not None, 120, "the workers")
+        pids = json.loads((run_dir / "workers.json").read_text())["pids"]
+        wait_for(lambda: state(pids[1]) == "T" or proc.poll() is not None, 120, "rank 1 to stop")
+        stopped = time.monotonic()
+        shutil.copy(run_dir / "last.pt", tmp_path / "restarted-from.pt")  # rank 0 waits for rank 1: no new one
+        wait_for(lambda: state(pids[1]) != "T", 120, "the stopped rank to end")
+        ended = time.monotonic() - stopped  # torchrun's own SIGKILL would come 30 s after its SIGTERM
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "error: the job hangs: rank 1 is silent" in err
+    assert ended < 5 + 15, ended
+    assert torch.load(tmp_path / "restarted-from.pt", weights_only=True)["global_step"] == 40
+    assert_resumed(out, tmp_path / "restarted-from.pt", final_step(tmp_path / "reference"))
+    assert rows(run_dir) == rows(tmp_path / "reference")
+    a = torch.load(run_dir / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "reference" / "last.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not (shutil.which("gcc") or shutil.which("g++")), reason="torch.compile on CPU needs a C compiler")
+def test_a_real_compile_raises_no_alarm(tmp_path):
+    """`--compile` for real, 2 ranks, thresholds of 2 to 4 s: the first step compiles for seconds, and so does the
+    epoch's last, shorter step (a recompile at step 23) and the first evaluation. The run ends normally. Broken on
+    purpose: a compile not told apart from a hang (heartbeat.compiling) fails it at step 23."""
+    flags = ["--no-progress", *SHORT, "--runs-dir", tmp_path, "-n", "compiled", "--compile"]
+    flags += ["--hang-timeout", "2", "--hang-factor", "2", "--heartbeat-timeout", "4"]
+    result = launch(flags, env=env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "inductor"), timeout=360)  # compiles in full
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hangs" not in result.stderr
