@@ -79,4 +79,5 @@ def check_options(flags: argparse.Namespace) -> dict:
         "ddp_waits_for_every_gradient": not (flags.find_unused_parameters or flags.static_graph),
         "traced": flags.batch_trace is not None,
         "noise_scale": flags.noise_scale,
+        "noise_scale_every": flags.noise_scale_every,
     }

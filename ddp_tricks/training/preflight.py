@@ -31,6 +31,7 @@ class Setup:
     ddp_waits_for_every_gradient: bool = False  # DDP without --find-unused-parameters or --static-graph
     traced: bool = False  # --batch-trace: a traced run reduces its gradients itself (no DDP reducer)
     noise_scale: bool = True  # not --no-noise-scale
+    noise_scale_every: int = 1  # --noise-scale-every: measured on every K-th optimizer step
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Findings:
     scoring: Layout | None = None  # the task's score() states (summed and gathered), which evaluate it (None: its loss)
     own_units: bool = False  # the task counts units of its own (units()): the noise scale's batch sizes are in them
     groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
+    noise_every: int = 1  # the noise scale is measured on every K-th optimizer step (a traced run: every step)
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -61,7 +63,7 @@ class Findings:
         """What the run's log says about them at its start."""
         notes = []
         if self.measures_noise:
-            notes.append(auto_batch.describe(plan, self.own_units))
+            notes.append(auto_batch.describe(plan, self.own_units, self.noise_every))
         elif noise_flag:
             notes.append(f"gradient noise scale: not measured: {self.no_noise_scale}")
         if self.global_loss and plan.accum_steps > 1 and self.accumulation is None:
@@ -122,4 +124,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[],
         scoring,
         hasattr(task, "units"),
         groups,
+        noise_every=1 if plan.traced else setup.noise_scale_every,
     )
