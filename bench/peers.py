@@ -7,6 +7,7 @@ weight decay 5e-4, the same LR) and precision (float32), trained through
     template       the template as run.py builds it, with its defaults: exact epoch loss and accuracy (sums reduced
                    once per epoch), its warmup schedule, and at 2 processes the gradient noise scale
     template-no-noise   the template with --no-noise-scale (2 processes only: the noise scale's cost)
+    template-noise-every-step   (--loops only) the template with --noise-scale-every 1: the old default's cost
     fabric         Lightning Fabric: fabric.setup, fabric.backward, the user's own loop
     accelerate     Hugging Face Accelerate: accelerator.prepare, accelerator.backward
     trainer        Lightning's Trainer, logging loss and accuracy per epoch (self.log(on_epoch=True, sync_dist=True))
@@ -39,11 +40,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPS = ("bare", "bare-loader", "template", "template-no-noise", "fabric", "accelerate", "trainer")
+EVERY_STEP = "template-noise-every-step"  # --loops only: the noise scale measured on every step (the old default)
 NAMES = {
     "bare": "bare loop, plain DataLoader",
     "bare-loader": "bare loop on the template's loader",
     "template": "template (exact epoch loss + accuracy; noise scale at 2 processes)",
     "template-no-noise": "template, --no-noise-scale",
+    EVERY_STEP: "template, --noise-scale-every 1",
     "fabric": "Lightning Fabric",
     "accelerate": "Hugging Face Accelerate",
     "trainer": "Lightning Trainer, logging loss + accuracy per epoch",
@@ -152,7 +155,7 @@ def bare_worker(args, template_loader: bool) -> dict:
     return clock.result(args.warmup, world) if rank == 0 else None
 
 
-def template_worker(args, noise_scale: bool) -> dict | None:
+def template_worker(args, noise_scale: bool, every: int | None = None) -> dict | None:
     """run.py's own stages (check, join, build) and its training loop, epoch after epoch (no evaluation between
     them: only the training is timed, as for the peers)."""
     sys.path.insert(0, str(REPO))
@@ -166,6 +169,7 @@ def template_worker(args, noise_scale: bool) -> dict | None:
     argv = ["--optimizer", "sgd", "-b", str(BATCH), "-l", str(LR), "--lr-scaling", "keep", "--no-progress",
             "-e", str(args.warmup + args.epochs), "-s", str(SEED)]  # fmt: skip
     argv += [] if noise_scale else ["--no-noise-scale"]
+    argv += [] if every is None else ["--noise-scale-every", str(every)]
     flags, task_class = cli.parse(argv)
     task = task_class(flags)
     process = launch.detect()
@@ -311,6 +315,7 @@ def worker(args) -> None:
         "bare-loader": lambda: bare_worker(args, template_loader=True),
         "template": lambda: template_worker(args, noise_scale=True),
         "template-no-noise": lambda: template_worker(args, noise_scale=False),
+        EVERY_STEP: lambda: template_worker(args, noise_scale=True, every=1),
         "fabric": lambda: fabric_worker(args),
         "accelerate": lambda: accelerate_worker(args),
         "trainer": lambda: trainer_worker(args),
@@ -379,7 +384,7 @@ def machine() -> dict:
 
 def drive(args) -> dict:
     loops = [loop for loop in args.loops.split(",") if loop]
-    unknown = sorted(set(loops) - set(LOOPS))
+    unknown = sorted(set(loops) - {*LOOPS, EVERY_STEP})
     if unknown:
         sys.exit(f"error: --loops names {', '.join(unknown)}; choose from {', '.join(LOOPS)}")
     sizes = [int(n) for n in args.processes_list.split(",")]
@@ -388,7 +393,7 @@ def drive(args) -> dict:
               "sizes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for processes in sizes:
-            here = [loop for loop in loops if not (loop == "template-no-noise" and processes == 1)]
+            here = [loop for loop in loops if not (loop in ("template-no-noise", EVERY_STEP) and processes == 1)]
             ms = {loop: [] for loop in here}
             for r in range(args.rounds):
                 for loop in here if r % 2 == 0 else here[::-1]:
@@ -406,9 +411,10 @@ def drive(args) -> dict:
                     row["vs_bare_loader"] = quartiles([a / b for a, b in zip(ms[loop], ms["bare-loader"])])
                 rows[loop] = {k: [round(x, 4) for x in v] if k != "rounds_ms" else v for k, v in row.items()}
             result["sizes"][str(processes)] = rows
-            if "template" in ms and "template-no-noise" in ms:
-                cost = quartiles([a / b for a, b in zip(ms["template"], ms["template-no-noise"])])
-                result["sizes"][str(processes)]["noise_scale_cost"] = [round(x, 4) for x in cost]
+            for measured, key in (("template", "noise_scale_cost"), (EVERY_STEP, "noise_scale_cost_every_step")):
+                if measured in ms and "template-no-noise" in ms:
+                    cost = quartiles([a / b for a, b in zip(ms[measured], ms["template-no-noise"])])
+                    result["sizes"][str(processes)][key] = [round(x, 4) for x in cost]
     return result
 
 
@@ -417,7 +423,7 @@ def table(result: dict) -> str:
     lines = ["| processes | loop | ms/step | vs bare loop | vs template |", "| --- | --- | --- | --- | --- |"]
     for processes, rows in result["sizes"].items():
         for loop, row in rows.items():
-            if loop == "noise_scale_cost":
+            if loop.startswith("noise_scale_cost"):
                 continue
 
             def cell(key, row=row, digits=3):
@@ -443,7 +449,7 @@ def plot(result: dict, path: Path) -> None:
     sizes = list(result["sizes"])
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
     for ax, processes in zip(axes[0], sizes):
-        rows = {k: v for k, v in result["sizes"][processes].items() if k != "noise_scale_cost"}
+        rows = {k: v for k, v in result["sizes"][processes].items() if not k.startswith("noise_scale_cost")}
         names = list(rows)
         medians = [rows[n]["ms_per_step"][1] for n in names]
         errors = [[m - rows[n]["ms_per_step"][0] for n, m in zip(names, medians)],
@@ -470,14 +476,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="epochs each run trains before the timed ones")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs of each run (their median)")
     parser.add_argument("--processes", dest="processes_list", default="1,2", help="sizes, e.g. 1,2")
-    parser.add_argument("--loops", default=",".join(LOOPS), help=f"a comma list from {', '.join(LOOPS)}")
+    parser.add_argument("--loops", default=",".join(LOOPS),
+                        help=f"a comma list from {', '.join(LOOPS)}, {EVERY_STEP} (default: all but it)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads per process (default: the cores over the processes)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 timed epoch: checks that it all runs")
     parser.add_argument("--plot", type=Path, default=None, help="draw the figure to this file (png)")
     parser.add_argument("--from", dest="from_json", type=Path, default=None,
                         help="with --plot: draw from this file's last line (a run's JSON), not a new run")  # fmt: skip
-    parser.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*LOOPS, EVERY_STEP), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--processes-of-worker", dest="processes", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -491,10 +498,11 @@ def main() -> None:
         result = drive(args)
         print(table(result))
         for processes, rows in result["sizes"].items():
-            if "noise_scale_cost" in rows:
-                low, median, high = rows["noise_scale_cost"]
-                print(f"noise scale's cost at {processes} processes (template / template --no-noise-scale): "
-                      f"{median:.3f} ({low:.3f}-{high:.3f})")  # fmt: skip
+            for key, how in (("noise_scale_cost", "the default"), ("noise_scale_cost_every_step", "every step")):
+                if key in rows:
+                    low, median, high = rows[key]
+                    print(f"noise scale's cost at {processes} processes, {how} (template / template --no-noise-scale): "
+                          f"{median:.3f} ({low:.3f}-{high:.3f})")  # fmt: skip
     if args.plot is not None:
         plot(result, args.plot)
     print(json.dumps(result))
