@@ -90,14 +90,17 @@ def sgd(params):
 
 
 class Clock:
-    """The wall time of each epoch: `tick()` at each epoch's start and once after the last."""
+    """The wall time of each epoch, and this process's CPU time (all its threads): `tick()` at each epoch's start and
+    once after the last. On a busy machine the CPU time moves less than the wall time."""
 
     def __init__(self):
         self.marks: list[float] = []
+        self.cpu: list[float] = []
         self.steps: list[int] = []
 
     def tick(self, steps: int = 0) -> None:
         self.marks.append(time.perf_counter())
+        self.cpu.append(time.process_time())
         if len(self.marks) > 1:
             self.steps.append(steps)
 
@@ -106,7 +109,9 @@ class Clock:
         driver checks that every loop ran the same steps on as many processes)."""
         seconds = [b - a for a, b in zip(self.marks, self.marks[1:])][warmup:]
         ms = 1e3 * statistics.median(s / n for s, n in zip(seconds, self.steps[warmup:]))
-        return {"ms_per_step": ms, "steps_per_epoch": self.steps[-1], "world_size": world}
+        cpu = [b - a for a, b in zip(self.cpu, self.cpu[1:])][warmup:]
+        cpu_ms = 1e3 * statistics.median(s / n for s, n in zip(cpu, self.steps[warmup:]))
+        return {"ms_per_step": ms, "cpu_ms_per_step": cpu_ms, "steps_per_epoch": self.steps[-1], "world_size": world}
 
 
 def bare_worker(args, template_loader: bool) -> dict:
@@ -328,8 +333,9 @@ def worker(args) -> None:
 # ---------------------------------------------------------------- the driver: paired rounds of fresh processes
 
 
-def launch_one(args, loop: str, processes: int, out: Path) -> float:
-    """One run of `loop` on `processes` processes, in fresh processes: its median milliseconds per step."""
+def launch_one(args, loop: str, processes: int, out: Path) -> tuple[float, float]:
+    """One run of `loop` on `processes` processes, in fresh processes: its median milliseconds per step, wall and
+    CPU (rank 0's process)."""
     threads = args.threads or max(1, (os.cpu_count() or 1) // processes)
     me = [str(Path(__file__).resolve()), "--worker", loop, "--processes-of-worker", str(processes), "--out", str(out),
           "--warmup", str(args.warmup), "--epochs", str(args.epochs), "--threads", str(threads)]  # fmt: skip
@@ -348,7 +354,7 @@ def launch_one(args, loop: str, processes: int, out: Path) -> float:
     if result["world_size"] != processes or abs(result["steps_per_epoch"] - steps) > 1:
         sys.exit(f"error: {loop} ran {result['steps_per_epoch']} steps per epoch on {result['world_size']} processes, "
                  f"not about {steps} on {processes}")  # fmt: skip
-    return result["ms_per_step"]
+    return result["ms_per_step"], result["cpu_ms_per_step"]
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -395,18 +401,22 @@ def drive(args) -> dict:
         for processes in sizes:
             here = [loop for loop in loops if not (loop in ("template-no-noise", EVERY_STEP) and processes == 1)]
             ms = {loop: [] for loop in here}
+            cpu = {loop: [] for loop in here}
             for r in range(args.rounds):
                 for loop in here if r % 2 == 0 else here[::-1]:
-                    ms[loop].append(launch_one(args, loop, processes, Path(tmp) / "out.json"))
+                    wall, cpu_ms = launch_one(args, loop, processes, Path(tmp) / "out.json")
+                    ms[loop].append(wall)
+                    cpu[loop].append(cpu_ms)
                     print(f"  {processes} process(es), round {r + 1}/{args.rounds}: {loop:18s} {ms[loop][-1]:.3f} "
                           "ms/step", file=sys.stderr, flush=True)  # fmt: skip
             rows = {}
             for loop in here:
-                row = {"ms_per_step": quartiles(ms[loop]), "rounds_ms": [round(x, 4) for x in ms[loop]]}
+                row = {"ms_per_step": quartiles(ms[loop]), "rounds_ms": [round(x, 4) for x in ms[loop]],
+                       "cpu_ms_per_step": quartiles(cpu[loop])}  # fmt: skip
                 for reference in ("bare", "template"):
                     if reference in ms:
-                        ratios = [a / b for a, b in zip(ms[loop], ms[reference])]
-                        row[f"vs_{reference}"] = quartiles(ratios)
+                        row[f"vs_{reference}"] = quartiles([a / b for a, b in zip(ms[loop], ms[reference])])
+                        row[f"cpu_vs_{reference}"] = quartiles([a / b for a, b in zip(cpu[loop], cpu[reference])])
                 if "bare-loader" in ms:
                     row["vs_bare_loader"] = quartiles([a / b for a, b in zip(ms[loop], ms["bare-loader"])])
                 rows[loop] = {k: [round(x, 4) for x in v] if k != "rounds_ms" else v for k, v in row.items()}
@@ -415,12 +425,17 @@ def drive(args) -> dict:
                 if measured in ms and "template-no-noise" in ms:
                     cost = quartiles([a / b for a, b in zip(ms[measured], ms["template-no-noise"])])
                     result["sizes"][str(processes)][key] = [round(x, 4) for x in cost]
+                    cost = quartiles([a / b for a, b in zip(cpu[measured], cpu["template-no-noise"])])
+                    result["sizes"][str(processes)][f"{key}_cpu"] = [round(x, 4) for x in cost]
     return result
 
 
 def table(result: dict) -> str:
     """The Markdown table of a run: medians with quartiles."""
-    lines = ["| processes | loop | ms/step | vs bare loop | vs template |", "| --- | --- | --- | --- | --- |"]
+    header = (
+        "processes | loop | ms/step | vs bare loop | vs bare loop, template's loader | vs template | CPU vs template"
+    )
+    lines = [f"| {header} |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for processes, rows in result["sizes"].items():
         for loop, row in rows.items():
             if loop.startswith("noise_scale_cost"):
@@ -433,9 +448,10 @@ def table(result: dict) -> str:
                 return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
             name = f"**{NAMES[loop]}**" if loop == "template" else NAMES[loop]
-            lines.append(
-                f"| {processes} | {name} | {cell('ms_per_step')} | {cell('vs_bare')} | {cell('vs_template')} |"
+            cells = " | ".join(
+                cell(key) for key in ("ms_per_step", "vs_bare", "vs_bare_loader", "vs_template", "cpu_vs_template")
             )
+            lines.append(f"| {processes} | {name} | {cells} |")
     return "\n".join(lines)
 
 
@@ -501,8 +517,10 @@ def main() -> None:
             for key, how in (("noise_scale_cost", "the default"), ("noise_scale_cost_every_step", "every step")):
                 if key in rows:
                     low, median, high = rows[key]
+                    cpu_low, cpu_median, cpu_high = rows[f"{key}_cpu"]
                     print(f"noise scale's cost at {processes} processes, {how} (template / template --no-noise-scale): "
-                          f"{median:.3f} ({low:.3f}-{high:.3f})")  # fmt: skip
+                          f"{median:.3f} ({low:.3f}-{high:.3f}); CPU time {cpu_median:.3f} ({cpu_low:.3f}-"
+                          f"{cpu_high:.3f})")  # fmt: skip
     if args.plot is not None:
         plot(result, args.plot)
     print(json.dumps(result))

@@ -186,6 +186,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
         progress.update(first_step)
     accumulate = t.accumulation or plain_accumulation  # chosen when the run was built (cached.py's, or this one)
     measures = t.noise is not None and t.reduction is None  # untraced: every K-th step (a traced one: every step)
+    after_each = t.ema is not None or getattr(t.task, "after_step", None) is not None  # else nothing to call per step
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
         if measures:
             t.noise.at_step(t.global_step)
@@ -218,7 +219,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
             t.steps_in_process += 1
             t.skipped_steps += 1
             step_nonfinite.zero_()
-        elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress):
+        elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress) and after_each:
             after_optimizer_step(t, run_progress(t.epoch, t.epochs, done, len(steps)))
         t.step_in_epoch = done
         if done % log_interval == 0:
