@@ -9,6 +9,7 @@ thread) with the estimator on every step, on every K-th, and without it, alterna
 object.
 
     python bench/noise_scale.py [--rounds 5] [--epochs 4] [--batch-size 32] [--in-process-only] [--every 4]
+    python bench/noise_scale.py --parts   # least times of the DDP way's work and of a step: steady on a busy machine
 """
 
 from __future__ import annotations
@@ -103,6 +104,44 @@ def in_process(rounds: int, batch_size: int, every: int) -> dict:
     return result
 
 
+def parts(every: int, batch_size: int) -> dict:
+    """The least time (of 15 repeats, which a busy machine inflates least) of one measured step's noise-scale work the
+    DDP way (each parameter's squared norm as the hook takes it, the rank's small batch closed, the step's squared
+    norm and the estimate into the averages) against the least time of a training step of the toy model (forward,
+    backward, SGD), one thread: the measurement's share of the step, on every step and on every `every`-th."""
+    import timeit
+
+    from ddp_tricks.distributed.trace_reduction import squared_norms
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = models.build("toy", 1, 10, "default")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    inputs, targets = torch.randn(batch_size, 1, 8, 8), torch.randint(0, 10, (batch_size,))
+    criterion = torch.nn.CrossEntropyLoss()
+    params = list(model.parameters())
+
+    def step():
+        criterion(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    estimator = noise.NoiseScale(torch.device("cpu"))
+    estimator.local_parts = torch.zeros(len(params), dtype=torch.float64)
+    index = torch.arange(len(params))
+
+    def measured():
+        estimator.local_parts.index_copy_(0, index, squared_norms([p.grad for p in params]))  # the hook's part
+        estimator.add_local(1.0, batch_size)
+        noise.measure(estimator, None, params, 2 * batch_size, 1.0)
+
+    step_s = min(timeit.repeat(step, number=50, repeat=15)) / 50
+    criterion(model(inputs), targets).backward()
+    noise_s = min(timeit.repeat(measured, number=500, repeat=15)) / 500
+    return {"step_ms": 1e3 * step_s, "noise_us": 1e6 * noise_s, "every_step": noise_s / step_s,
+            f"every_{every}": noise_s / step_s / every}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -111,7 +150,15 @@ def main() -> None:
     parser.add_argument("--in-process-only", action="store_true", help="only the in-process measurement (quick)")
     parser.add_argument("--every", type=int, default=NOISE_SCALE_EVERY,
                         help="in process: also measured on every K-th step (default: run.py's)")  # fmt: skip
+    parser.add_argument("--parts", action="store_true", help="only the least times of the measurement and a step")
     args = parser.parse_args()
+    if args.parts:
+        found = parts(args.every, args.batch_size)
+        print(f"a step {found['step_ms']:.3f} ms, a measured step's noise-scale work {found['noise_us']:.1f} us: "
+              f"{found['every_step']:.2%} of a step measured every step, {found[f'every_{args.every}']:.2%} on one "
+              f"step in {args.every}")  # fmt: skip
+        print(json.dumps(found))
+        return
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         for way, (processes, accum_steps) in {} if args.in_process_only else WAYS.items():
