@@ -89,6 +89,14 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
 
 
+def leave_group() -> None:
+    """The process group destroyed before the interpreter ends (else gloo's threads may abort the exit)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class Clock:
     """The wall time of each epoch, and this process's CPU time (all its threads): `tick()` at each epoch's start and
     once after the last. On a busy machine the CPU time moves less than the wall time."""
@@ -155,8 +163,7 @@ def bare_worker(args, template_loader: bool) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     clock.tick(len(loader))
-    if world > 1:
-        dist.destroy_process_group()
+    leave_group()
     return clock.result(args.warmup, world) if rank == 0 else None
 
 
@@ -228,7 +235,9 @@ def fabric_worker(args) -> dict | None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     clock.tick(len(loader))
-    return clock.result(args.warmup, fabric.world_size) if fabric.global_rank == 0 else None
+    result = clock.result(args.warmup, fabric.world_size) if fabric.global_rank == 0 else None
+    leave_group()
+    return result
 
 
 def accelerate_worker(args) -> dict | None:
@@ -258,6 +267,7 @@ def accelerate_worker(args) -> dict | None:
     clock.tick(len(loader))
     result = clock.result(args.warmup, accelerator.num_processes) if accelerator.is_main_process else None
     accelerator.end_training()
+    leave_group()
     return result
 
 
@@ -308,7 +318,9 @@ def trainer_worker(args) -> dict | None:
         callbacks=[EpochClock()],
     )
     trainer.fit(Classifier(), DataLoader(train_set, batch_size=BATCH, shuffle=True))
-    return clock.result(args.warmup, trainer.world_size) if trainer.global_rank == 0 else None
+    result = clock.result(args.warmup, trainer.world_size) if trainer.global_rank == 0 else None
+    leave_group()
+    return result
 
 
 def worker(args) -> None:
@@ -345,8 +357,12 @@ def launch_one(args, loop: str, processes: int, out: Path) -> tuple[float, float
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *me]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    out.unlink(missing_ok=True)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    for _ in range(2):  # once more after a failure (a framework's teardown that aborts now and then), then stop
+        out.unlink(missing_ok=True)
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode == 0 and out.exists():
+            break
+        print(f"  {loop} at {processes} process(es) failed (exit {done.returncode})", file=sys.stderr, flush=True)
     if done.returncode != 0 or not out.exists():
         sys.exit(f"error: {loop} at {processes} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(out.read_text())
