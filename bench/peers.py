@@ -495,8 +495,9 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(f"{processes} process{'es' if processes != '1' else ''}" + (" (DDP, gloo)" if processes != "1"
                      else ""))  # fmt: skip
     v = result["versions"]
-    fig.suptitle(f"toy CNN, digits x4, batch 32/process, SGD, fp32 on {result['machine']['cores']} CPU cores: torch "
-                 f"{v['torch']}, lightning {v['lightning']}, accelerate {v['accelerate']}", fontsize=9)  # fmt: skip
+    fig.suptitle(f"toy CNN, digits x4, batch 32/process, SGD, fp32 on {result['machine']['cores']} CPU cores "
+                 f"({result['threads']} threads), {result['rounds']} rounds: Python {v['python']}, torch {v['torch']}, "
+                 f"lightning {v['lightning']}, accelerate {v['accelerate']}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
