@@ -228,7 +228,9 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     params = [p for p in model.parameters() if p.requires_grad]
     noise, noise_parts = None, None
     if found.measures_noise:
-        noise, noise_parts = auto_batch.attach(dist.device, dist.world_size, model, params, plan.manual_reduction)
+        noise, noise_parts = auto_batch.attach(
+            dist.device, dist.world_size, model, params, plan.manual_reduction, found.noise_every
+        )
     if flags.compile:
         model = models.compiled(model)
     mode = cli.mode_of(task, flags.monitor)

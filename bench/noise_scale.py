@@ -3,11 +3,13 @@ by run.py with the measurement (the default) and with `--no-noise-scale`, altern
 it is measured: 2 processes (DDP: a communication hook reads each rank's gradient) and one process with
 `--accum-steps 2` (each micro-batch's gradient kept apart). The step time is metrics.csv's epoch_seconds over the
 epoch's steps, the first epoch (warm-up) left out; the ratio is measured / not measured, the median over rounds of
-each round's ratio. Then, with less noise, the one-process way in this process: the training loop's epochs
-(loop.train_one_epoch, the digits 4 times over, one thread) with and without the estimator, alternating. The last
-line is one JSON object.
+each round's ratio (run.py's default: measured on one step in --noise-scale-every). Then, with less noise, the
+one-process way in this process: the training loop's epochs (loop.train_one_epoch, the digits 4 times over, one
+thread) with the estimator on every step, on every K-th, and without it, alternating. The last line is one JSON
+object.
 
-    python bench/noise_scale.py [--rounds 5] [--epochs 4] [--batch-size 32] [--in-process-only]
+    python bench/noise_scale.py [--rounds 5] [--epochs 4] [--batch-size 32] [--in-process-only] [--every 4]
+    python bench/noise_scale.py --parts   # least times of the DDP way's work and of a step: steady on a busy machine
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ddp_tricks import cli, models, plan
+from ddp_tricks.cli.flags import NOISE_SCALE_EVERY
 from ddp_tricks.data import images, loaders
 from ddp_tricks.schedules.curves import WarmupDecay
 from ddp_tricks.schedules.schedule import Schedule
@@ -53,8 +56,9 @@ def epoch_step_seconds(args, processes: int, accum_steps: int, measured: bool, r
     return statistics.median(float(r["epoch_seconds"]) / s for r, s in zip(rows[1:], steps))
 
 
-def in_process(rounds: int, batch_size: int) -> dict:
-    """The training loop's step time with the estimator (one process, 2 micro-batches a step) over without it."""
+def in_process(rounds: int, batch_size: int, every: int) -> dict:
+    """The training loop's step time with the estimator (one process, 2 micro-batches a step) over without it: measured
+    on every step, and on every `every`-th (--noise-scale-every)."""
     torch.set_num_threads(1)
     digits, _ = images.digits()
     train_set = loaders.InMemoryDataset(digits.inputs.repeat(4, 1, 1, 1), digits.targets.repeat(4))
@@ -64,38 +68,78 @@ def in_process(rounds: int, batch_size: int) -> dict:
     flags, task_class = cli.parse([])
     cpu = torch.device("cpu")
 
-    def training(measured: bool) -> Training:
+    def training(measured: int) -> Training:  # measured: on every K-th step (0: not measured)
         torch.manual_seed(0)
         model = models.build("toy", 1, 10, "default")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        estimator = noise.NoiseScale(cpu) if measured else None
+        estimator = noise.NoiseScale(cpu, every=measured) if measured else None
         parts = noise.MicroBatches(estimator, list(model.parameters())) if measured else None
         return Training(model, optimizer, Schedule(WarmupDecay(optimizer, 0, 0)), task_class(flags), ["acc"],
                         Precision("off", cpu), cpu, noise=estimator, noise_parts=parts)  # fmt: skip
 
     loader = loaders.train_loader(train_set, 0, cpu, seed=0)
     steps = the_plan.epoch(1, 0)
-    runs = {True: training(True), False: training(False)}
-    seconds = {True: [], False: []}
-    cpu = {True: [], False: []}  # this thread's CPU time: the loop runs on one thread, so what another process
+    runs = {k: training(k) for k in (0, 1, every)}
+    seconds = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}  # this thread's CPU time: the loop runs on one thread, so what another process
     # takes from the machine changes it less than the wall time
-    for _ in range(rounds + 1):  # the first round warms up
-        for measured in (False, True):
+    for r in range(rounds + 1):  # the first round warms up
+        for measured in list(runs) if r % 2 else list(runs)[::-1]:
             loader.batch_sampler.start(steps)
             start, own = time.perf_counter(), time.thread_time()
             train_one_epoch(runs[measured], steps, loader, log_interval=20)
             seconds[measured].append(time.perf_counter() - start)
             cpu[measured].append(time.thread_time() - own)
-    ratios = [a / b for a, b in zip(seconds[True][1:], seconds[False][1:])]
-    cpu_ratios = [a / b for a, b in zip(cpu[True][1:], cpu[False][1:])]
-    return {
-        "ratio_median": statistics.median(ratios),
-        "ratios": sorted(round(x, 4) for x in ratios),
-        "cpu_ratio_median": statistics.median(cpu_ratios),
-        "cpu_ratio_quartiles": [round(q, 4) for q in statistics.quantiles(cpu_ratios, n=4)[::2]],
-        "step_ms_measured": 1e3 * statistics.median(seconds[True][1:]) / len(steps),
-        "step_ms_not_measured": 1e3 * statistics.median(seconds[False][1:]) / len(steps),
-    }
+    result = {"step_ms_not_measured": 1e3 * statistics.median(seconds[0][1:]) / len(steps)}
+    for k, name in ((1, "every_step"), (every, f"every_{every}")):
+        ratios = [a / b for a, b in zip(seconds[k][1:], seconds[0][1:])]
+        cpu_ratios = [a / b for a, b in zip(cpu[k][1:], cpu[0][1:])]
+        result[name] = {
+            "ratio_median": statistics.median(ratios),
+            "ratios": sorted(round(x, 4) for x in ratios),
+            "cpu_ratio_median": statistics.median(cpu_ratios),
+            "cpu_ratio_quartiles": [round(q, 4) for q in statistics.quantiles(cpu_ratios, n=4)[::2]],
+            "step_ms_measured": 1e3 * statistics.median(seconds[k][1:]) / len(steps),
+        }
+    return result
+
+
+def parts(every: int, batch_size: int) -> dict:
+    """The least time (of 15 repeats, which a busy machine inflates least) of one measured step's noise-scale work the
+    DDP way (each parameter's squared norm as the hook takes it, the rank's small batch closed, the step's squared
+    norm and the estimate into the averages) against the least time of a training step of the toy model (forward,
+    backward, SGD), one thread: the measurement's share of the step, on every step and on every `every`-th."""
+    import timeit
+
+    from ddp_tricks.distributed.trace_reduction import squared_norms
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = models.build("toy", 1, 10, "default")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    inputs, targets = torch.randn(batch_size, 1, 8, 8), torch.randint(0, 10, (batch_size,))
+    criterion = torch.nn.CrossEntropyLoss()
+    params = list(model.parameters())
+
+    def step():
+        criterion(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    estimator = noise.NoiseScale(torch.device("cpu"))
+    estimator.local_parts = torch.zeros(len(params), dtype=torch.float64)
+    index = torch.arange(len(params))
+
+    def measured():
+        estimator.local_parts.index_copy_(0, index, squared_norms([p.grad for p in params]))  # the hook's part
+        estimator.add_local(1.0, batch_size)
+        noise.measure(estimator, None, params, 2 * batch_size, 1.0)
+
+    step_s = min(timeit.repeat(step, number=50, repeat=15)) / 50
+    criterion(model(inputs), targets).backward()
+    noise_s = min(timeit.repeat(measured, number=500, repeat=15)) / 500
+    return {"step_ms": 1e3 * step_s, "noise_us": 1e6 * noise_s, "every_step": noise_s / step_s,
+            f"every_{every}": noise_s / step_s / every}  # fmt: skip
 
 
 def main() -> None:
@@ -104,7 +148,17 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--in-process-only", action="store_true", help="only the in-process measurement (quick)")
+    parser.add_argument("--every", type=int, default=NOISE_SCALE_EVERY,
+                        help="in process: also measured on every K-th step (default: run.py's)")  # fmt: skip
+    parser.add_argument("--parts", action="store_true", help="only the least times of the measurement and a step")
     args = parser.parse_args()
+    if args.parts:
+        found = parts(args.every, args.batch_size)
+        print(f"a step {found['step_ms']:.3f} ms, a measured step's noise-scale work {found['noise_us']:.1f} us: "
+              f"{found['every_step']:.2%} of a step measured every step, {found[f'every_{args.every}']:.2%} on one "
+              f"step in {args.every}")  # fmt: skip
+        print(json.dumps(found))
+        return
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         for way, (processes, accum_steps) in {} if args.in_process_only else WAYS.items():
@@ -123,12 +177,14 @@ def main() -> None:
                   f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {result[way]['step_ms_measured']:.2f} ms vs "
                   f"{result[way]['step_ms_not_measured']:.2f} ms)")  # fmt: skip
     way = "1 process, --accum-steps 2, in this process"
-    result[way] = in_process(3 * args.rounds, args.batch_size // 2)
-    print(f"{way}: measured / not measured, per step: {result[way]['ratio_median']:.3f} (rounds "
-          f"{result[way]['ratios'][0]:.3f} to {result[way]['ratios'][-1]:.3f}; {result[way]['step_ms_measured']:.2f} "
-          f"ms vs {result[way]['step_ms_not_measured']:.2f} ms); CPU time of the loop's thread "
-          f"{result[way]['cpu_ratio_median']:.3f} (quartiles {result[way]['cpu_ratio_quartiles'][0]:.3f}-"
-          f"{result[way]['cpu_ratio_quartiles'][1]:.3f})")  # fmt: skip
+    result[way] = in_process(3 * args.rounds, args.batch_size // 2, args.every)
+    for name, row in result[way].items():
+        if name.startswith("every"):
+            print(f"{way}, measured {name.replace('_', ' ')}: measured / not measured, per step: "
+                  f"{row['ratio_median']:.3f} (rounds {row['ratios'][0]:.3f} to {row['ratios'][-1]:.3f}; "
+                  f"{row['step_ms_measured']:.2f} ms vs {result[way]['step_ms_not_measured']:.2f} ms); CPU time of "
+                  f"the loop's thread {row['cpu_ratio_median']:.3f} (quartiles {row['cpu_ratio_quartiles'][0]:.3f}-"
+                  f"{row['cpu_ratio_quartiles'][1]:.3f})")  # fmt: skip
     print(json.dumps(result))
 
 

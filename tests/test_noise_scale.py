@@ -168,3 +168,38 @@ def test_a_task_s_units_are_the_noise_scale_s_batch_sizes(tmp_path):
         assert last["grad_noise_trace"] == pytest.approx(trace, rel=0.15), name
         assert last["grad_sq_norm"] == pytest.approx(grad_sq, rel=0.15), name
         assert last["noise_scale"] == pytest.approx(trace / grad_sq, rel=0.3), name
+
+
+EVERY_FLAGS = ["--task", "tests/rank_tasks.py:PreemptedDigits", "-b", "16", "-e", "2", "--no-progress", "-s", "0",
+               "--noise-scale-every", "3"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_measured_every_kth_step_a_run_resumed_mid_epoch_ends_bit_identical(tmp_path, monkeypatch):
+    """--noise-scale-every 3 on 2 ranks (45 steps an epoch), SIGTERM at step 52 (not a multiple of 3), --resume auto:
+    the measured steps follow the global step, so the resumed run's noise-scale state, weights and metrics equal the
+    uninterrupted run's bit for bit. Broken on purpose (the steps counted from the process's start,
+    `t.steps_in_process`, in place of the global step), the noise-scale state differs."""
+    from resumed import assert_resumed
+
+    from ddp_tricks.storage import checkpoint
+
+    whole = launch([*EVERY_FLAGS, "-n", "whole", "--runs-dir", str(tmp_path)])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "on one optimizer step in 3 (--noise-scale-every)" in whole.stdout
+    monkeypatch.setenv("PREEMPT_AFTER", "52")  # rank 0's micro-batches: one a step
+    stopped = launch([*EVERY_FLAGS, "-n", "stopped", "--runs-dir", str(tmp_path)])
+    monkeypatch.delenv("PREEMPT_AFTER")
+    assert stopped.returncode == 143 and "preempted at epoch" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
+    at_stop = checkpoint.load(tmp_path / "stopped" / "last.pt", "ddp")
+    assert at_stop["step_in_epoch"] > 0 and at_stop["global_step"] % 3 != 0
+    resumed = launch([*EVERY_FLAGS, "-n", "stopped", "--resume", "auto", "--runs-dir", str(tmp_path)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    last = checkpoint.load(tmp_path / "whole" / "last.pt", "ddp")
+    assert_resumed(resumed.stdout, at_stop, last["global_step"])
+    got = checkpoint.load(tmp_path / "stopped" / "last.pt", "ddp")
+    assert torch.equal(got["noise"], last["noise"]) and bool((last["noise"][:, 2] > 0).all())
+    for key, value in last["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    assert rows(tmp_path / "stopped") == rows(tmp_path / "whole")

@@ -81,6 +81,7 @@ def check_options(flags: argparse.Namespace) -> dict:
         "traced": flags.batch_trace is not None,
         "sync_bn": flags.sync_bn,
         "noise_scale": flags.noise_scale,
+        "noise_scale_every": flags.noise_scale_every,
     }
 
 

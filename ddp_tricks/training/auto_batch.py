@@ -53,9 +53,10 @@ def refuse_auto_without(why_not: str | None) -> None:
         )
 
 
-def describe(plan: Plan, units: bool = False) -> str:
+def describe(plan: Plan, units: bool = False, every: int = 1) -> str:
     """Where a run's small batches come from, for its log; `units`: the task counts units of its own (units()), in
-    which the batch sizes, and so the noise scale, are counted."""
+    which the batch sizes, and so the noise scale, are counted; `every`: measured on every K-th step."""
+    when = "" if every == 1 else f", on one optimizer step in {every} (--noise-scale-every)"
     if plan.manual_reduction:  # traced, or uneven shares: TraceReduction reads each micro-batch's gradient
         small, source, big = plan.micro_batch, "each micro-batch's gradient", ""
     elif plan.world_size > 1:
@@ -63,19 +64,20 @@ def describe(plan: Plan, units: bool = False) -> str:
     else:
         small, source, big = plan.micro_batch, "each micro-batch's", f" ({plan.global_batch})"
     if not units:
-        return f"gradient noise scale: measured from {source} ({small} samples) and the step's{big}"
+        return f"gradient noise scale: measured from {source} ({small} samples) and the step's{big}{when}"
     big = f" (of {plan.global_batch})" if big else ""
     return (
         f"gradient noise scale: measured from {source} (the units of {small} samples, as the task's units() counts "
-        f"them) and the step's{big}: the loss averages over units, so the batch sizes and the noise scale are in units"
+        f"them) and the step's{big}{when}: the loss averages over units, so the batch sizes and the noise scale are in "
+        "units"
     )
 
 
-def attach(device, world_size: int, model, params, traced: bool):
+def attach(device, world_size: int, model, params, traced: bool, every: int = 1):
     """The noise scale's estimator, and in one untraced process its micro-batch reader (else None): under DDP it
     reads each rank's gradient from a communication hook, in a traced run the trace's reduction reads each
-    micro-batch's (TraceReduction)."""
-    estimator = noise.NoiseScale(device)
+    micro-batch's (TraceReduction). `every`: an untraced run measures every K-th optimizer step."""
+    estimator = noise.NoiseScale(device, every=1 if traced else every)
     if traced:
         return estimator, None
     if world_size > 1:

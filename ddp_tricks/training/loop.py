@@ -105,13 +105,14 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
             t.precision.backward(loss if whole else loss * weight, t.optimizer)
         if t.reduction is not None:
             t.reduction.after_backward(weight)
-        # the noise scale's batch sizes are counted in the units the loss averages over (samples by default)
-        if t.noise_parts is not None:  # one process: each micro-batch's gradient is a small batch's
+        # the noise scale's batch sizes are counted in the units the loss averages over (samples by default); a step
+        # it does not measure (--noise-scale-every) accumulates as without it
+        if t.noise_parts is not None and t.noise.measuring:  # one process: each micro-batch's is a small batch's
             t.noise_parts.after_backward(weight, units, t.precision.loss_scale())
-        elif t.noise is not None and t.reduction is None:  # DDP: this rank's gradient is one, read by the hook
+        elif t.noise is not None and t.reduction is None and t.noise.measuring:  # DDP: this rank's, read by the hook
             t.noise.add_local(weight, units)
         yield outputs, targets, loss, units, samples
-    if t.noise_parts is not None:
+    if t.noise_parts is not None and t.noise.measuring:
         t.noise_parts.finish()
 
 
@@ -185,8 +186,12 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     if progress is not None:
         progress.update(first_step)
     accumulate = t.accumulation or plain_accumulation  # chosen when the run was built (cached.py's, or this one)
+    measures = t.noise is not None and t.reduction is None  # untraced: every K-th step (a traced one: every step)
+    after_each = t.ema is not None or getattr(t.task, "after_step", None) is not None  # else nothing to call per step
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
         heartbeat.step(t.global_step + 1, first=done == first_step + 1)  # a few assignments: the watchdog's progress
+        if measures:
+            t.noise.at_step(t.global_step)
         # an epoch's short last step gives the ranks micro-batches of different lengths: only there do the task's
         # gathers (its loss's, its metric sums') exchange their row counts, a host read each
         with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
@@ -205,7 +210,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
             gain = t.reduction.finish(step.batch, t.precision.loss_scale(), units=big)
         else:
             gain = 1.0
-            if t.noise is not None:
+            if t.noise is not None and t.noise.measuring:
                 noise.measure(t.noise, t.noise_parts, params, big, t.precision.loss_scale())
         factor = step.lr_factor
         if t.adascale is not None:
@@ -216,7 +221,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
             t.steps_in_process += 1
             t.skipped_steps += 1
             step_nonfinite.zero_()
-        elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress):
+        elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress) and after_each:
             after_optimizer_step(t, run_progress(t.epoch, t.epochs, done, len(steps)))
         t.step_in_epoch = done
         if done % log_interval == 0:

@@ -6,7 +6,11 @@ Each optimizer step gives a small batch's gradient (B_small samples) and the ste
     |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
 both unbiased; each is averaged over steps (an exponential moving average, bias-corrected) before the ratio is
-taken, as the paper does. |G_small|^2 is the mean over the step's small batches:
+taken, as the paper does. An untraced run measures every K-th optimizer step (--noise-scale-every K, by the global
+step: a resumed run measures the same steps), and the averages are over those: a step's measurement costs a few small
+operations per parameter, which on a small model is several per cent of the step; on the others the small batches
+are not read at all (the DDP hook only reduces, one process accumulates as without the estimator).
+|G_small|^2 is the mean over the step's small batches:
 - under DDP (2+ processes), each rank's gradient before the all-reduce (a communication hook: no extra pass, no
   extra collective), B_small its samples in the step;
 - in one process with accumulation, each micro-batch's gradient (kept apart as it is computed), B_small its
@@ -35,8 +39,10 @@ class NoiseScale:
     squared gradient norms (`small`; under DDP the communication hook keeps each parameter's in `local_parts`,
     which `close_local` makes one small batch), then the step's own (`big`), which enters the averages."""
 
-    def __init__(self, device: torch.device, beta: float = BETA):
+    def __init__(self, device: torch.device, beta: float = BETA, every: int = 1):
         self.beta = beta
+        self.every = every  # measure on the optimizer steps whose global step (before it) is a multiple of this
+        self.measuring = True  # whether the step under way is one of them (set by `at_step`): the DDP hook reads it
         zeros = dict(dtype=torch.float64, device=device)
         self.averages = torch.zeros(2, **zeros)  # the moving averages of [tr(Sigma), |G|^2], not yet corrected
         self.weight = torch.zeros((), **zeros)  # what the averages' weights sum to: their bias correction
@@ -49,6 +55,11 @@ class NoiseScale:
         self._small_count = 0
         self._small_size: int | torch.Tensor = 0
         self._coefficients: dict[tuple, torch.Tensor] = {}
+
+    def at_step(self, global_step: int) -> bool:
+        """Whether the optimizer step after `global_step` steps is measured (a host integer: no sync)."""
+        self.measuring = global_step % self.every == 0
+        return self.measuring
 
     def small(self, sq_norm: torch.Tensor, size: int | torch.Tensor, count: int = 1) -> None:
         """One small batch's squared gradient norm (the gradient of its mean loss), and its size; or `count` small
@@ -153,7 +164,7 @@ def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):
     places: dict[tuple, torch.Tensor] = {}  # a bucket's parameters' places (DDP rebuilds its buckets once)
 
     def hook(process_group, bucket):
-        grads = bucket.gradients()
+        grads = bucket.gradients() if noise.measuring else None
         if grads:
             bucket_params = bucket.parameters()
             key = (bucket.index(), len(bucket_params), id(bucket_params[0]), id(bucket_params[-1]))

@@ -32,6 +32,7 @@ class Setup:
     traced: bool = False  # --batch-trace: a traced run reduces its gradients itself (no DDP reducer)
     sync_bn: bool = False  # --sync-bn
     noise_scale: bool = True  # not --no-noise-scale
+    noise_scale_every: int = 1  # --noise-scale-every: measured on every K-th optimizer step
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Findings:
     own_units: bool = False  # the task counts units of its own (units()): the noise scale's batch sizes are in them
     groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
     shard_line: str | None = None  # --strategy fsdp: the units, for the start line (fsdp.describe_units)
+    noise_every: int = 1  # the noise scale is measured on every K-th optimizer step (a traced run: every step)
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -63,7 +65,7 @@ class Findings:
         """What the run's log says about them at its start."""
         notes = [self.shard_line] if self.shard_line else []
         if self.measures_noise:
-            notes.append(auto_batch.describe(plan, self.own_units))
+            notes.append(auto_batch.describe(plan, self.own_units, self.noise_every))
         elif noise_flag:
             notes.append(f"gradient noise scale: not measured: {self.no_noise_scale}")
         if self.global_loss and plan.accum_steps > 1 and self.accumulation is None:
@@ -156,4 +158,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         hasattr(task, "units"),
         groups,
         shard_line,
+        noise_every=1 if plan.manual_reduction else setup.noise_scale_every,
     )
