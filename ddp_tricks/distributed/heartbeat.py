@@ -385,15 +385,19 @@ def all_stacks(main_thread: int) -> str:
     return "".join(parts)
 
 
-def aborted_peers(run_dir, rank: int, world_size: int, wait: float = 2.0) -> dict[int, str]:
+_SOME_COLLECTIVE = "a collective"  # an aborted peer whose stacks name none (yet)
+
+
+def aborted_peers(run_dir, rank: int, world_size: int, wait: float = 5.0) -> dict[int, str]:
     """The peers whose process aborted (their stacks files start with faulthandler's "Aborted"), each with the
     torch.distributed call its main thread was in and its first frame of user code; waits up to `wait` seconds for
-    a file to be written (the peer that aborts writes it just before it ends)."""
+    a file to be written (the peer that aborts writes it just before it ends), and for a file being written to
+    name its collective (read half written, it names none yet: under load the reader can be that quick)."""
     if run_dir is None:
         return {}
     deadline = time.monotonic() + wait
     found: dict[int, str] = {}
-    while not found and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         for r in range(world_size):
             path = Path(run_dir) / f"stacks-rank{r}.txt"
             try:
@@ -402,6 +406,8 @@ def aborted_peers(run_dir, rank: int, world_size: int, wait: float = 2.0) -> dic
                 continue
             if text.startswith(ABORTED):
                 found[r] = _aborted_at(text)
+        if found and all(not at.startswith(_SOME_COLLECTIVE) for at in found.values()):
+            break
         time.sleep(0.1)
     return found
 
@@ -415,7 +421,7 @@ def _aborted_at(text: str) -> str:
             op = function
         elif op and "/torch/" not in filename and not caller:
             caller = f"{short(filename)}:{line} {function}()"
-    return (op or "a collective") + (f" at {caller}" if caller else "")
+    return (op or _SOME_COLLECTIVE) + (f" at {caller}" if caller else "")
 
 
 def settings() -> dict:
