@@ -175,7 +175,7 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
     from customized_function import same_seeds
     from ddp_tricks import cli
     from ddp_tricks.data import loaders
-    from ddp_tricks.distributed import launch
+    from ddp_tricks.distributed import heartbeat, launch
     from ddp_tricks.training import loop, preflight
 
     argv = ["--optimizer", "sgd", "-b", str(BATCH), "-l", str(LR), "--lr-scaling", "keep", "--no-progress",
@@ -191,8 +191,14 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
     model = task.model()
     setup = preflight.Setup(process.world_size, nccl=False, **cli.check_options(flags))
     plan, found = preflight.check(
-        task, model, train_set, setup, lambda: run.make_plan(flags, len(train_set), process.world_size)
+        task,
+        model,
+        train_set,
+        setup,
+        lambda equal: run.make_plan(flags, len(train_set), process.world_size, None, equal),
     )
+    stacks = tempfile.mkdtemp(prefix="peers-stacks-")  # the watchdog's heartbeats, as run.py runs them
+    heartbeat.configure(stacks, process.world_size, **cli.hang_options(flags))
     dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, False, flags.sigterm_grace)
     t = run.build_training(flags, task, model, found, plan, dist)
     train_loader, _ = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
