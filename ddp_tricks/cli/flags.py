@@ -225,27 +225,20 @@ def _launch_flags(g: argparse._ArgumentGroup) -> None:
         help="after SIGTERM, seconds a rank stuck in one call (a collective whose peer is gone) is given before it "
         "exits 143; torchrun, SLURM and Kubernetes kill 30 s after their SIGTERM (default: 25)",
     )
-    g.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=30.0,
-        help="seconds without a rank's heartbeat (a stopped process, a frozen node) before the job ends with exit "
-        "code 4, one line per rank saying where it waits (default: 30)",
-    )
+    hangs = {  # the progress watchdog (distributed/heartbeat.py): the job ends with exit code 4, a line per rank
+        "--heartbeat-timeout": (30, "seconds without a rank's heartbeat (a stopped process, a frozen node) before "),
+        "--hang-timeout": (120, "seconds, at the least, without progress on any rank (a stuck collective) before "),
+    }
+    for flag, (default, what) in hangs.items():
+        g.add_argument(
+            flag, type=float, default=float(default), help=f"{what}the job ends with exit code 4 (default: {default})"
+        )
     g.add_argument(
         "--hang-factor",
         type=float,
         default=10.0,
-        help="the job hangs when no rank has made progress for this many times the slowest training step seen, "
-        "or --hang-timeout if longer (default: 10)",
-    )
-    g.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=120.0,
-        help="seconds without progress on any rank (a stuck collective) before the job ends with exit code 4, at "
-        "the least; evaluation, checkpoints and the first step count only while every rank waits in a collective "
-        "(default: 120)",
+        help="no progress on any rank for this many times the slowest step seen (or --hang-timeout) ends the job; "
+        "evaluation, checkpoints and a first step count only while a rank waits in a collective (default: 10)",
     )
 
 
