@@ -109,7 +109,7 @@ class Plan:
 
     def shares(self) -> list[int]:
         """The micro-batches each rank runs in a step (an untraced run): rank r runs slots r, r + world, ..."""
-        return [len(range(rank, self.slots, self.world_size)) for rank in range(self.world_size)]
+        return shares(self.slots, self.world_size)
 
     def describe_shares(self) -> str:
         """`64 as 4 micro-batches of 16 on 3 processes: 2,1,1`, for the start line and the resume line."""
@@ -271,9 +271,9 @@ def make(
             if flags_batch != run_global:
                 relayout += f" (this command's --batch-size/--accum-steps, which give {flags_batch}, are not used)"
             if slots % world_size:
-                shares = ",".join(str(len(range(rank, slots, world_size))) for rank in range(world_size))
+                spread = ",".join(map(str, shares(slots, world_size)))
                 relayout += (
-                    f": {slots} micro-batches of {micro_batch} spread {shares} over the ranks (uneven: a step lasts as "
+                    f": {slots} micro-batches of {micro_batch} spread {spread} over the ranks (uneven: a step lasts as "
                     f"long as {accum_steps} micro-batch(es), and its gradients are summed in one all-reduce after them)"
                 )
             else:
@@ -351,6 +351,11 @@ def epoch_steps(num_train: int, global_batch: int, micro_batch: int, drop_last: 
     if drop_last:
         return num_train // slots // micro_batch
     return num_train // global_batch + (num_train % global_batch >= slots)
+
+
+def shares(slots: int, world_size: int) -> list[int]:
+    """The micro-batches of a step's `slots` that each rank runs: rank r runs slots r, r + world, ..."""
+    return [len(range(rank, slots, world_size)) for rank in range(world_size)]
 
 
 def layout(
