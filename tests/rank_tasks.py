@@ -52,6 +52,16 @@ def stamp() -> None:
             f.write(f"{time.time()}\n")
 
 
+class ConstantBuffer(Task):
+    """The built-in model with one more buffer that is not a norm layer's statistic (a constant no forward reads):
+    DDP then keeps its default, rank 0's buffers broadcast at every forward."""
+
+    def model(self):
+        model = super().model()
+        model.register_buffer("constant", torch.ones(3))
+        return model
+
+
 class MistakeBeforeTheGroup(Task):
     """Every rank finds the same mistake in its data, before any process group, rank 0 a second after rank 1 (as a
     loaded machine can have it): rank 0 is the one to say it."""

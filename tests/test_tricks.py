@@ -183,3 +183,40 @@ def test_original_lars_command_line_runs_unchanged(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["optimizer"] == "lars" and config["bn_bias_separately"] and config["lr_power"] == 2.0
     assert len(_rows(run_dir)) == 2
+
+
+def test_which_models_ddp_broadcasts_buffers_for_at_every_forward():
+    from ddp_tricks.distributed.wrap import only_norm_statistics
+
+    norms = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.InstanceNorm2d(4, track_running_stats=True))
+    assert only_norm_statistics(norms)
+    assert only_norm_statistics(nn.Linear(3, 3))  # no buffer: nothing to broadcast
+    queue = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    queue.register_buffer("queue", torch.zeros(8, 3))
+    assert not only_norm_statistics(queue)
+
+
+@pytest.mark.timeout(300)
+def test_without_the_per_step_buffer_broadcast_training_evaluation_and_checkpoints_are_unchanged(tmp_path):
+    """2 ranks, the built-in BatchNorm model: DDP without its per-forward broadcast of rank 0's buffers (the
+    template's choice when every buffer is a norm layer's statistic) against DDP with it (the same model with one
+    more, constant buffer, which keeps DDP's default): the weights, BatchNorm statistics, training loss and validation
+    metrics of every epoch are equal bit for bit. Broken on purpose (evaluation without rank 0's buffers first), the
+    validation metrics differ."""
+    from ddp_tricks.storage import checkpoint
+
+    flags = ["-b", "16", "-e", "2", "--no-progress", "-s", "0", "--no-noise-scale"]
+    plain = launch([*flags, "-n", "plain", "--runs-dir", str(tmp_path)])
+    kept = launch([*flags, "--task", "tests/rank_tasks.py:ConstantBuffer", "-n", "kept", "--runs-dir", str(tmp_path)])
+    assert plain.returncode == 0 and kept.returncode == 0, plain.stderr[-2000:] + kept.stderr[-2000:]
+    got, expected = (checkpoint.load(tmp_path / name / "last.pt", "ddp")["model"] for name in ("plain", "kept"))
+    assert set(expected) - set(got) == {"constant"}
+    for key, value in got.items():
+        assert torch.equal(value, expected[key]), key
+    columns = ("train_loss", "val_loss", "val_acc")
+
+    def metrics(name):
+        with open(tmp_path / name / "metrics.csv") as f:
+            return [[row[c] for c in columns] for row in csv.DictReader(f)]
+
+    assert len(metrics("plain")) == 2 and metrics("plain") == metrics("kept")
