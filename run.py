@@ -229,7 +229,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     noise, noise_parts = None, None
     if found.measures_noise:
         noise, noise_parts = auto_batch.attach(
-            dist.device, dist.world_size, model, params, plan.manual_reduction, found.noise_every
+            dist.device, dist.world_size, params, plan.manual_reduction, found.noise_every
         )
     if flags.compile:
         model = models.compiled(model)

@@ -203,3 +203,56 @@ def test_measured_every_kth_step_a_run_resumed_mid_epoch_ends_bit_identical(tmp_
     for key, value in last["model"].items():
         assert torch.equal(got["model"][key], value), key
     assert rows(tmp_path / "stopped") == rows(tmp_path / "whole")
+
+
+def test_a_rank_s_gradient_is_read_before_ddp_s_reduction_with_earlier_micro_batches_and_unused_parameters():
+    """RankGradient (DDP's way: hooks on the parameters in a measured step's last backward) against the gradient
+    autograd gives for the weighted sum of the micro-batches' losses, written out: two micro-batches (weights 0.25 and
+    0.75), the second of which does not use the parameter `b` (it keeps what the first gave), then one micro-batch
+    that uses everything; the small batch's squared norm is |sum of weighted gradients|^2 / (sum of weights)^2 and its
+    size the summed samples. Broken on purpose (the earlier `.grad` left out of the hook, or `_earlier` dropped), it
+    fails."""
+    from ddp_tricks.training.noise import RankGradient
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(5, generator=generator, requires_grad=True) for _ in range(2))
+    inputs = [torch.randn(5, generator=generator, dtype=torch.float32) for _ in range(3)]
+
+    def losses(k):  # the second does not use b
+        if k == 0:
+            return (a * inputs[0]).sum() ** 2 + (b * inputs[0]).sin().sum()
+        return (a * inputs[1]).cos().sum() if k == 1 else (a * b * inputs[2]).sum()
+
+    for micro_batches, weights, sizes in (([0, 1], [0.25, 0.75], [3, 5]), ([2], [1.0], [7])):
+        noise = NoiseScale(torch.device("cpu"))
+        reader = RankGradient(noise, [a, b])
+        a.grad = b.grad = None
+        for i, (k, weight, size) in enumerate(zip(micro_batches, weights, sizes)):
+            reader.before_backward(last=i == len(micro_batches) - 1)
+            (losses(k) * weight).backward()
+            reader.after_backward(weight, size, 1.0)
+        total = sum(losses(k) * w for k, w in zip(micro_batches, weights))
+        expected = sum(g.double().pow(2).sum() for g in torch.autograd.grad(total, [a, b])) / sum(weights) ** 2
+        assert noise._small_count == 1 and noise._small_size == sum(sizes)
+        assert noise._small_sum.item() == pytest.approx(expected.item(), rel=1e-6)
+        assert not reader._handles  # the hooks are gone: an unmeasured step runs without them
+
+
+@pytest.mark.timeout(300)
+def test_measuring_the_noise_scale_leaves_ddp_s_training_bit_identical(tmp_path):
+    """2 ranks, the built-in task (BatchNorm) with 2 micro-batches a step, measured on every other step: the weights,
+    buffers and training loss equal a --no-noise-scale run's bit for bit (DDP reduces alike on every step; the
+    estimator only reads). Broken on purpose (the hook's reading scaled into the gradient), they differ."""
+    from ddp_tricks.storage import checkpoint
+
+    flags = ["-b", "16", "--accum-steps", "2", "-e", "1", "--no-progress", "-s", "0", "--noise-scale-every", "2"]
+    on = launch([*flags, "-n", "on", "--runs-dir", str(tmp_path)])
+    off = launch([*flags, "--no-noise-scale", "-n", "off", "--runs-dir", str(tmp_path)])
+    assert on.returncode == 0 and off.returncode == 0, on.stderr[-2000:] + off.stderr[-2000:]
+    assert "on one optimizer step in 2 (--noise-scale-every)" in on.stdout
+    got, expected = (checkpoint.load(tmp_path / name / "last.pt", "ddp") for name in ("on", "off"))
+    assert bool((got["noise"][:, 2] > 0).all())  # it measured
+    for key, value in expected["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    with open(tmp_path / "on" / "metrics.csv") as f_on, open(tmp_path / "off" / "metrics.csv") as f_off:
+        assert [r["train_loss"] for r in csv.DictReader(f_on)] == [r["train_loss"] for r in csv.DictReader(f_off)]

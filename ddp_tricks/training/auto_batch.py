@@ -73,16 +73,15 @@ def describe(plan: Plan, units: bool = False, every: int = 1) -> str:
     )
 
 
-def attach(device, world_size: int, model, params, traced: bool, every: int = 1):
-    """The noise scale's estimator, and in one untraced process its micro-batch reader (else None): under DDP it
-    reads each rank's gradient from a communication hook, in a traced run the trace's reduction reads each
-    micro-batch's (TraceReduction). `every`: an untraced run measures every K-th optimizer step."""
+def attach(device, world_size: int, params, traced: bool, every: int = 1):
+    """The noise scale's estimator, and its reader of the small batches' gradients in an untraced run: each rank's
+    under DDP (RankGradient), each micro-batch's in one process (MicroBatches); a traced run's reduction reads each
+    micro-batch's itself (TraceReduction: None here). `every`: an untraced run measures every K-th optimizer step."""
     estimator = noise.NoiseScale(device, every=1 if traced else every)
     if traced:
         return estimator, None
     if world_size > 1:
-        model.register_comm_hook(None, noise.ddp_hook(estimator, params))
-        return estimator, None
+        return estimator, noise.RankGradient(estimator, params)
     return estimator, noise.MicroBatches(estimator, params)
 
 

@@ -98,22 +98,23 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
     `no_sync()` until the last (whose backward reduces the step's gradients across ranks). Yields each micro-batch's
     (outputs, targets, loss, units, samples) after its backward, for the epoch's sums."""
     last = len(step.micro_batches) - 1
+    # the noise scale's small batches (a measured step's: --noise-scale-every), in the units the loss averages over
+    # (samples by default): this rank's gradient under DDP, each micro-batch's in one process; else none is read
+    parts = t.noise_parts if t.noise_parts is not None and t.noise.measuring else None
     for k, (inputs, targets, samples, units, weight) in enumerate(micro_batches(t, step, batches, units_of)):
         with contextlib.nullcontext() if k == last else accumulating(t.model):  # gradients reduced on the last
             outputs, loss = forward(t, t.model, inputs, targets)
             whole = type(weight) is float and weight == 1.0  # a step of one micro-batch: no multiply, no sync
+            if parts is not None:
+                parts.before_backward(last=k == last)
             t.precision.backward(loss if whole else loss * weight, t.optimizer)
         if t.reduction is not None:
             t.reduction.after_backward(weight)
-        # the noise scale's batch sizes are counted in the units the loss averages over (samples by default); a step
-        # it does not measure (--noise-scale-every) accumulates as without it
-        if t.noise_parts is not None and t.noise.measuring:  # one process: each micro-batch's is a small batch's
-            t.noise_parts.after_backward(weight, units, t.precision.loss_scale())
-        elif t.noise is not None and t.reduction is None and t.noise.measuring:  # DDP: this rank's, read by the hook
-            t.noise.add_local(weight, units)
+        if parts is not None:
+            parts.after_backward(weight, units, t.precision.loss_scale())
         yield outputs, targets, loss, units, samples
-    if t.noise_parts is not None and t.noise.measuring:
-        t.noise_parts.finish()
+    if parts is not None:
+        parts.finish()
 
 
 def progress_bar(enabled: bool, total: int, description: str):
@@ -211,7 +212,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
         else:
             gain = 1.0
             if t.noise is not None and t.noise.measuring:
-                noise.measure(t.noise, t.noise_parts, params, big, t.precision.loss_scale())
+                noise.measure(t.noise, params, big, t.precision.loss_scale())
         factor = step.lr_factor
         if t.adascale is not None:
             factor *= gain

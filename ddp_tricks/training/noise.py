@@ -9,10 +9,11 @@ both unbiased; each is averaged over steps (an exponential moving average, bias-
 taken, as the paper does. An untraced run measures every K-th optimizer step (--noise-scale-every K, by the global
 step: a resumed run measures the same steps), and the averages are over those: a step's measurement costs a few small
 operations per parameter, which on a small model is several per cent of the step; on the others the small batches
-are not read at all (the DDP hook only reduces, one process accumulates as without the estimator).
+are not read at all (DDP reduces and one process accumulates as without the estimator).
 |G_small|^2 is the mean over the step's small batches:
-- under DDP (2+ processes), each rank's gradient before the all-reduce (a communication hook: no extra pass, no
-  extra collective), B_small its samples in the step;
+- under DDP (2+ processes), each rank's gradient before the all-reduce (read by hooks on the parameters in a
+  measured step's last backward: no extra pass, no extra collective, DDP's own reduction), B_small its samples in
+  the step;
 - in one process with accumulation, each micro-batch's gradient (kept apart as it is computed), B_small its
   samples;
 - in a traced run (--batch-trace), each micro-batch's gradient on every rank, its squared norm summed over the
@@ -36,20 +37,16 @@ BETA = 0.99  # the moving average's weight: about the last 100 steps
 
 class NoiseScale:
     """The moving averages of the two unbiased estimates, on the device. A step gives its small batches'
-    squared gradient norms (`small`; under DDP the communication hook keeps each parameter's in `local_parts`,
-    which `close_local` makes one small batch), then the step's own (`big`), which enters the averages."""
+    squared gradient norms (`small`: RankGradient's or MicroBatches'), then the step's own (`big`), which enters the
+    averages."""
 
     def __init__(self, device: torch.device, beta: float = BETA, every: int = 1):
         self.beta = beta
         self.every = every  # measure on the optimizer steps whose global step (before it) is a multiple of this
-        self.measuring = True  # whether the step under way is one of them (set by `at_step`): the DDP hook reads it
+        self.measuring = True  # whether the step under way is one of them (set by `at_step`)
         zeros = dict(dtype=torch.float64, device=device)
         self.averages = torch.zeros(2, **zeros)  # the moving averages of [tr(Sigma), |G|^2], not yet corrected
         self.weight = torch.zeros((), **zeros)  # what the averages' weights sum to: their bias correction
-        self.local_parts: torch.Tensor | None = None  # this rank's gradient's squared norms by parameter (DDP's hook)
-        self.local_weight: float | torch.Tensor = 0.0  # what its micro-batches' mean losses were multiplied by, summed
-        self.local_size: int | torch.Tensor = 0  # their samples (or units)
-        self.local_count = 0  # and how many there were
         self._zero, self._one = torch.zeros((), **zeros), torch.ones((), **zeros)
         self._small_sum = self._zero  # this step's small batches' squared norms, summed
         self._small_count = 0
@@ -68,21 +65,6 @@ class NoiseScale:
         self._small_sum = self._small_sum + sq_norm.to(torch.float64)
         self._small_count += count
         self._small_size = self._small_size + size
-
-    def add_local(self, weight, size: int | torch.Tensor) -> None:
-        """One micro-batch of this rank's step: its weight (its share of the step) and size (samples or units)."""
-        self.local_weight = self.local_weight + weight
-        self.local_size = self.local_size + size
-        self.local_count += 1
-
-    def close_local(self, loss_scale) -> None:
-        """This rank's gradient before the all-reduce (its buckets' squared norms) as the step's small batch: the
-        gradient of its micro-batches' weighted losses, so divided by their summed weight (and the loss scale) it is
-        the mean over its samples (its units, for a task with units())."""
-        if self.local_count:
-            self.small(self.local_parts.sum() / (self.local_weight * loss_scale) ** 2, self.local_size)
-        self.local_parts.zero_()
-        self.local_weight, self.local_size, self.local_count = 0.0, 0, 0
 
     def big(self, sq_norm: torch.Tensor, size: int | torch.Tensor) -> None:
         """The step's squared gradient norm (the mean over all its `size` samples, or units): the step's estimates
@@ -150,32 +132,70 @@ def report(corrected_sums: list[float], world_size: int) -> dict[str, float]:
     return {"noise_scale": scale, "grad_noise_trace": trace, "grad_sq_norm": grad_sq}
 
 
-def ddp_hook(noise: NoiseScale, params: list[torch.Tensor]):
-    """A DDP communication hook: the squared norm of each parameter's local gradient in its bucket, kept by the
-    parameter's place in `params` (so their sum does not depend on how DDP groups them into buckets, which it
-    changes after the first step: a resumed run sums as the uninterrupted one), then DDP's own all-reduce (the
-    mean over the ranks: what DDP does without a hook)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+class RankGradient:
+    """Under DDP: this rank's gradient before the all-reduce as the step's small batch. On a measured step a hook on
+    each parameter sees its gradient in the step's last backward before it is accumulated into `.grad` (so before
+    DDP's reducer, which reads it from there), added to what the step's earlier micro-batches left in `.grad` (under
+    `no_sync()`: this rank's alone); the hooks are removed after that backward. So DDP reduces as it does without the
+    estimator, on every step (its own all-reduce, no Python communication hook), and a step not measured costs
+    nothing. A parameter this rank did not use in the last micro-batch keeps what its earlier ones gave."""
 
-    place = {id(p): i for i, p in enumerate(params)}
-    device = noise.averages.device
-    noise.local_parts = torch.zeros(len(params), dtype=torch.float64, device=device)
+    def __init__(self, noise: NoiseScale, params: list[torch.Tensor]):
+        self.noise = noise
+        self.params = params
+        self._handles: list = []
+        self._earlier: torch.Tensor | None = None  # |.grad|^2 by parameter before the last backward (accumulation)
+        self._seen: dict[int, torch.Tensor] = {}  # |this rank's gradient| by parameter's place, from the hooks
+        self._weight: float | torch.Tensor = 0.0  # what the micro-batches' mean losses were multiplied by, summed
+        self._size: int | torch.Tensor = 0  # their samples (or units)
+        self._readers = [self._reader(i, p) for i, p in enumerate(params)]
 
-    places: dict[tuple, torch.Tensor] = {}  # a bucket's parameters' places (DDP rebuilds its buckets once)
+    def before_backward(self, last: bool) -> None:
+        """Before a micro-batch's backward: the step's last one is watched."""
+        if not last:
+            return
+        grads = [p.grad for p in self.params]
+        if any(g is not None for g in grads):  # earlier micro-batches under no_sync(): this rank's so far
+            zeros = [torch.zeros((), device=p.device) if g is None else g for p, g in zip(self.params, grads)]
+            self._earlier = squared_norms(zeros)
+        self._handles = [p.register_hook(read) for p, read in zip(self.params, self._readers)]
 
-    def hook(process_group, bucket):
-        grads = bucket.gradients() if noise.measuring else None
-        if grads:
-            bucket_params = bucket.parameters()
-            key = (bucket.index(), len(bucket_params), id(bucket_params[0]), id(bucket_params[-1]))
-            index = places.get(key)
-            if index is None:
-                index = torch.tensor([place[id(p)] for p in bucket_params], device=device)
-                places[key] = index
-            noise.local_parts.index_copy_(0, index, squared_norms(grads))
-        return default_hooks.allreduce_hook(process_group, bucket)
+    def _reader(self, place: int, param: torch.Tensor):
+        def read(grad: torch.Tensor) -> None:  # before accumulation: `param.grad` holds the earlier micro-batches'
+            local = grad if param.grad is None else param.grad + grad
+            self._seen[place] = torch.linalg.vector_norm(local, dtype=torch.float32)  # one op: squared at the end
 
-    return hook
+        return read
+
+    def after_backward(self, weight, size, scale) -> None:
+        """After a micro-batch's backward (`weight` multiplied its mean loss, `scale` the loss: fp16's, or 1; `size`:
+        its samples, or units); after the last, this rank's gradient (its squared norm by parameter, summed in their
+        order), divided by the summed weights (and the loss scale): the mean over this rank's samples."""
+        self._weight = self._weight + weight
+        self._size = self._size + size
+        if not self._handles:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        seen, count = self._seen, len(self.params)
+        if len(seen) == count:  # every parameter read (the usual case): the norm of their norms, squared
+            norms = torch.stack([seen[i] for i in range(count)])
+            total = torch.linalg.vector_norm(norms, dtype=torch.float64).square()
+        else:  # some parameter not used in the last micro-batch: its earlier micro-batches' (or nothing)
+            parts = self._earlier
+            if parts is None:
+                parts = torch.zeros(count, dtype=torch.float64, device=self.noise.averages.device)
+            if seen:
+                places = sorted(seen)
+                norms = torch.stack([seen[i] for i in places]).to(parts.device, torch.float64)
+                parts = parts.index_copy(0, torch.tensor(places, device=parts.device), norms.square_())
+            total = parts.sum()
+        self.noise.small(total / (self._weight * scale) ** 2, self._size)
+        self._earlier, self._seen, self._weight, self._size = None, {}, 0.0, 0
+
+    def finish(self) -> None:
+        """Nothing to put back: DDP reduced the gradients in place."""
 
 
 class MicroBatches:
@@ -186,6 +206,9 @@ class MicroBatches:
         self.noise = noise
         self.params = params
         self._sums: list[torch.Tensor] | None = None
+
+    def before_backward(self, last: bool) -> None:
+        """Nothing before a backward: each is read after it."""
 
     def after_backward(self, weight, size, scale) -> None:
         """After a micro-batch's backward: `weight` multiplied its mean loss, `scale` the loss (fp16's, or 1), `size`:
@@ -213,11 +236,9 @@ class MicroBatches:
         self._sums = None
 
 
-def measure(noise: NoiseScale, parts: MicroBatches | None, params, batch, loss_scale) -> None:
+def measure(noise: NoiseScale, params, batch, loss_scale) -> None:
     """The end of a step's backward passes: its small batches (this rank's gradient, or the micro-batches, already
     in) and its gradient over `batch` samples (or units: a device tensor), into the averages."""
-    if parts is None:
-        noise.close_local(loss_scale)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         noise.big(squared_norm(grads) / loss_scale**2, batch)

@@ -25,7 +25,7 @@ from ddp_tricks.shards import local
 from ddp_tricks.storage import sharded
 from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.metric_states import Layout
-from ddp_tricks.training.noise import MicroBatches, NoiseScale
+from ddp_tricks.training.noise import MicroBatches, NoiseScale, RankGradient
 from ddp_tricks.training.precision import Precision
 
 
@@ -91,7 +91,7 @@ class Training:
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient: None, loop.py's plain one
     global_loss: bool = False  # the task's loss gathers from every rank: evaluation keeps the ranks in step
     noise: NoiseScale | None = None  # the gradient noise scale's moving averages (None: not measured)
-    noise_parts: MicroBatches | None = None  # one process: the micro-batches are its small batches (else the ranks)
+    noise_parts: MicroBatches | RankGradient | None = None  # the small batches' reader (a traced run: None)
     sum_shapes: dict = field(default_factory=dict)  # the metric sums that are not scalars: {name: shape}
     scoring: Layout | None = None  # the states of the task's score(), which evaluates in place of loss and sums
     best: Best | None = None  # the monitored metric's best so far (None: not followed)
