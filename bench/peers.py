@@ -4,6 +4,8 @@ weight decay 5e-4, the same LR) and precision (float32), trained through
 
     bare           a bare loop: forward, backward, step, on a plain DataLoader (DistributedSampler under DDP)
     bare-loader    the same bare loop on the template's own loader (its PlanSampler, the plan's steps)
+    bare-loader-no-buffer-sync   (2 processes) that loop with DDP's per-forward broadcast of rank 0's buffers off,
+                   as the template sets it for a model whose only buffers are BatchNorm's: the template's own setting
     template       the template as run.py builds it, with its defaults: exact epoch loss and accuracy (sums reduced
                    once per epoch), its warmup schedule, and at 2 processes the gradient noise scale
     template-no-noise   the template with --no-noise-scale (2 processes only: the noise scale's cost)
@@ -28,6 +30,7 @@ quartiles. Intra-op threads: the machine's cores over the processes, in every lo
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -39,11 +42,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LOOPS = ("bare", "bare-loader", "template", "template-no-noise", "fabric", "accelerate", "trainer")
+LOOPS = ("bare", "bare-loader", "bare-loader-no-buffer-sync", "template", "template-no-noise", "fabric", "accelerate",
+         "trainer")  # fmt: skip
+ONLY_DDP = ("bare-loader-no-buffer-sync", "template-no-noise", "template-noise-every-step")  # not at 1 process
 EVERY_STEP = "template-noise-every-step"  # --loops only: the noise scale measured on every step (the old default)
 NAMES = {
     "bare": "bare loop, plain DataLoader",
     "bare-loader": "bare loop on the template's loader",
+    "bare-loader-no-buffer-sync": "bare loop on the template's loader, no per-step buffer broadcast",
     "template": "template (exact epoch loss + accuracy; noise scale at 2 processes)",
     "template-no-noise": "template, --no-noise-scale",
     EVERY_STEP: "template, --noise-scale-every 1",
@@ -122,7 +128,7 @@ class Clock:
         return {"ms_per_step": ms, "cpu_ms_per_step": cpu_ms, "steps_per_epoch": self.steps[-1], "world_size": world}
 
 
-def bare_worker(args, template_loader: bool) -> dict:
+def bare_worker(args, template_loader: bool, sync_buffers: bool = True) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -137,8 +143,11 @@ def bare_worker(args, template_loader: bool) -> dict:
     rank = dist.get_rank() if world > 1 else 0
     train_set = digits_x4()[0] if template_loader else plain_digits_x4()
     model = toy_model()
-    if world > 1:
+    if world > 1 and sync_buffers:
         model = DDP(model)
+    elif world > 1:
+        renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters  # torch 2.14; before: broadcast_buffers
+        model = DDP(model, **{"forward_sync_buffers" if renamed else "broadcast_buffers": False})
     optimizer = sgd(model.parameters())
     criterion = torch.nn.CrossEntropyLoss()
     if template_loader:
@@ -168,14 +177,16 @@ def bare_worker(args, template_loader: bool) -> dict:
 
 
 def template_worker(args, noise_scale: bool, every: int | None = None) -> dict | None:
-    """run.py's own stages (check, join, build) and its training loop, epoch after epoch (no evaluation between
-    them: only the training is timed, as for the peers)."""
+    """run.py's own stages (check, join, build) and its training loop, epoch after epoch, with the watchdog's heartbeats
+    and the SIGTERM agreement after every step (no evaluation between epochs: only the training is timed, as for the
+    peers)."""
     sys.path.insert(0, str(REPO))
     import run
     from customized_function import same_seeds
     from ddp_tricks import cli
     from ddp_tricks.data import loaders
     from ddp_tricks.distributed import heartbeat, launch
+    from ddp_tricks.distributed.preemption import Preemption
     from ddp_tricks.training import loop, preflight
 
     argv = ["--optimizer", "sgd", "-b", str(BATCH), "-l", str(LR), "--lr-scaling", "keep", "--no-progress",
@@ -202,13 +213,16 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
     dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, False, flags.sigterm_grace)
     t = run.build_training(flags, task, model, found, plan, dist)
     train_loader, _ = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
+    preemption = Preemption(dist)  # SIGTERM agreed on after every step, as run.py's checkpoints do
     clock = Clock()
     try:
         for epoch in range(1, flags.epochs + 1):
             steps = plan.epoch(epoch, t.rank)
             first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
             clock.tick(len(steps))
-            loop.train_one_epoch(t, steps, train_loader, first_step, None, flags.log_interval)
+            loop.train_one_epoch(
+                t, steps, train_loader, first_step, None, flags.log_interval, lambda t: preemption.agreed()
+            )
         clock.tick(len(steps))
     finally:
         launch.cleanup()
@@ -336,6 +350,7 @@ def worker(args) -> None:
     run = {
         "bare": lambda: bare_worker(args, template_loader=False),
         "bare-loader": lambda: bare_worker(args, template_loader=True),
+        "bare-loader-no-buffer-sync": lambda: bare_worker(args, template_loader=True, sync_buffers=False),
         "template": lambda: template_worker(args, noise_scale=True),
         "template-no-noise": lambda: template_worker(args, noise_scale=False),
         EVERY_STEP: lambda: template_worker(args, noise_scale=True, every=1),
@@ -421,7 +436,7 @@ def drive(args) -> dict:
               "sizes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for processes in sizes:
-            here = [loop for loop in loops if not (loop in ("template-no-noise", EVERY_STEP) and processes == 1)]
+            here = [loop for loop in loops if not (loop in ONLY_DDP and processes == 1)]
             ms = {loop: [] for loop in here}
             cpu = {loop: [] for loop in here}
             for r in range(args.rounds):
