@@ -10,7 +10,7 @@ thread) with the estimator on every step, on every K-th, and without it, alterna
 object.
 
     python bench/noise_scale.py [--rounds 5] [--epochs 4] [--batch-size 32] [--in-process-only] [--every 4]
-    python bench/noise_scale.py --parts   # least times of the DDP way's work and of a step: steady on a busy machine
+    python bench/noise_scale.py --parts   # a measured step's extra time, in pairs with plain steps (steadiest)
 """
 
 from __future__ import annotations
@@ -106,13 +106,11 @@ def in_process(rounds: int, batch_size: int, every: int) -> dict:
 
 
 def parts(every: int, batch_size: int) -> dict:
-    """The least time (of 15 repeats, which a busy machine inflates least) of a measured training step the DDP way
-    (the parameters' hooks reading the rank's gradient in its backward, the rank's small batch closed, the step's
-    squared norm and the estimate into the averages) against the least time of a training step of the toy model
-    (forward, backward, SGD) without them, one thread: the measurement's share of the step, on every step and on
-    every `every`-th (the other steps run exactly as without it)."""
-    import timeit
-
+    """A measured training step the DDP way (the parameters' hooks reading the rank's gradient in its backward, the
+    rank's small batch closed, the step's squared norm and the estimate into the averages) against a step without
+    them, of the toy model (forward, backward, SGD), one thread, in pairs (plain, then measured) 3000 times: the
+    median of the pairs' differences, which a busy machine moves least, over the median plain step. The share of a
+    step, measured on every step and on every `every`-th (the other steps run exactly as without it)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = models.build("toy", 1, 10, "default")
@@ -123,7 +121,8 @@ def parts(every: int, batch_size: int) -> dict:
     estimator = noise.NoiseScale(torch.device("cpu"))
     reader = noise.RankGradient(estimator, params)
 
-    def step(measured: bool = False):
+    def step(measured: bool) -> float:
+        start = time.perf_counter()
         loss = criterion(model(inputs), targets)
         if measured:
             reader.before_backward(last=True)
@@ -133,10 +132,13 @@ def parts(every: int, batch_size: int) -> dict:
             noise.measure(estimator, params, 2 * batch_size, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
-    plain_s = min(timeit.repeat(step, number=50, repeat=15)) / 50
-    measured_s = min(timeit.repeat(lambda: step(True), number=50, repeat=15)) / 50
-    noise_s = max(measured_s - plain_s, 0.0)
+    plain, extra = [], []
+    for _ in range(3300):
+        plain.append(step(False))
+        extra.append(step(True) - plain[-1])
+    plain_s, noise_s = statistics.median(plain[300:]), statistics.median(extra[300:])  # after 300 pairs' warm-up
     return {"step_ms": 1e3 * plain_s, "noise_us": 1e6 * noise_s, "every_step": noise_s / plain_s,
             f"every_{every}": noise_s / plain_s / every}  # fmt: skip
 
@@ -149,7 +151,7 @@ def main() -> None:
     parser.add_argument("--in-process-only", action="store_true", help="only the in-process measurement (quick)")
     parser.add_argument("--every", type=int, default=NOISE_SCALE_EVERY,
                         help="in process: also measured on every K-th step (default: run.py's)")  # fmt: skip
-    parser.add_argument("--parts", action="store_true", help="only the least times of the measurement and a step")
+    parser.add_argument("--parts", action="store_true", help="only a measured step's extra time, in pairs of steps")
     args = parser.parse_args()
     if args.parts:
         found = parts(args.every, args.batch_size)
