@@ -30,7 +30,6 @@ quartiles. Intra-op threads: the machine's cores over the processes, in every lo
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -136,6 +135,7 @@ def bare_worker(args, template_loader: bool, sync_buffers: bool = True) -> dict:
 
     from ddp_tricks import plan as planning
     from ddp_tricks.data import loaders
+    from ddp_tricks.distributed.wrap import buffer_sync
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -146,8 +146,7 @@ def bare_worker(args, template_loader: bool, sync_buffers: bool = True) -> dict:
     if world > 1 and sync_buffers:
         model = DDP(model)
     elif world > 1:
-        renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters  # torch 2.14; before: broadcast_buffers
-        model = DDP(model, **{"forward_sync_buffers" if renamed else "broadcast_buffers": False})
+        model = DDP(model, **buffer_sync(False))  # the option's name in this torch
     optimizer = sgd(model.parameters())
     criterion = torch.nn.CrossEntropyLoss()
     if template_loader:
@@ -177,8 +176,8 @@ def bare_worker(args, template_loader: bool, sync_buffers: bool = True) -> dict:
 
 def template_worker(args, noise_scale: bool, every: int | None = None) -> dict | None:
     """run.py's own stages (check, join, build) and its training loop, epoch after epoch, with the watchdog's heartbeats
-    and the SIGTERM agreement after every step (no evaluation between epochs: only the training is timed, as for the
-    peers)."""
+    and the SIGTERM agreement asked after every step (no evaluation between epochs: only the training is timed, as for
+    the peers)."""
     sys.path.insert(0, str(REPO))
     import run
     from customized_function import same_seeds
@@ -212,7 +211,7 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
     dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, False, flags.sigterm_grace)
     t = run.build_training(flags, task, model, found, plan, dist)
     train_loader, _ = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
-    preemption = Preemption(dist)  # SIGTERM agreed on after every step, as run.py's checkpoints do
+    preemption = Preemption(dist)  # asked after every step, as run.py's checkpoints ask it
     clock = Clock()
     try:
         for epoch in range(1, flags.epochs + 1):

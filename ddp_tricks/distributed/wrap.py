@@ -20,13 +20,17 @@ def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, **ddp_options
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     device_ids = [dist_info.device] if dist_info.device.type == "cuda" else None
-    ddp = torch.nn.parallel.DistributedDataParallel
-    # torch 2.14 renamed the flag (and deprecated the old name); older ones have only broadcast_buffers
-    name = (
-        "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else "broadcast_buffers"
+    buffers = buffer_sync(not only_norm_statistics(model))
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, gradient_as_bucket_view=True, **buffers, **ddp_options
     )
-    buffers = {name: not only_norm_statistics(model)}
-    return ddp(model, device_ids=device_ids, gradient_as_bucket_view=True, **buffers, **ddp_options)
+
+
+def buffer_sync(on: bool) -> dict[str, bool]:
+    """DDP's option for broadcasting rank 0's buffers before every forward, by its name in this torch: 2.14 renamed
+    it `forward_sync_buffers` (and warns on the old name); older ones have only `broadcast_buffers`."""
+    renamed = "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    return {"forward_sync_buffers" if renamed else "broadcast_buffers": on}
 
 
 def only_norm_statistics(model: torch.nn.Module) -> bool:
