@@ -32,6 +32,7 @@ from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
 from ddp_tricks.distributed import collectives, fsdp, heartbeat, launch, watchdog, wrap
 from ddp_tricks.distributed.preemption import Preemption
+from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
 from ddp_tricks.errors import UserError
 from ddp_tricks.optim import build as optimizers
@@ -216,11 +217,15 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         from apex import amp as apex_amp
 
         model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O1")  # before DDP
+    sparse = None
     if not plan.manual_reduction and flags.strategy == "ddp":
+        if found.sparse and dist.enabled:  # the sparse tables' gradients: averaged apart from DDP's reducer
+            sparse = SparseGradients(model, found.sparse, dist.world_size)
         model = wrap.wrap(
             model,
             dist,
             flags.sync_bn,
+            apart=found.sparse if sparse else (),
             static_graph=flags.static_graph,
             bucket_cap_mb=flags.bucket_cap_mb,
             find_unused_parameters=flags.find_unused_parameters,
@@ -254,6 +259,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         channels_last=flags.channels_last,
         on_nonfinite=flags.on_nonfinite,
         reduction=reduction,
+        sparse=sparse,
         best=Best(flags.monitor, mode),
         early_stopping=early_stopping,
         ema=ema,

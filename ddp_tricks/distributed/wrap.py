@@ -10,15 +10,28 @@ import re
 
 import torch
 
+from ddp_tricks.distributed.collectives import broadcast_buffers
 from ddp_tricks.errors import UserError
 
 
-def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, **ddp_options) -> torch.nn.Module:
-    """SyncBatchNorm (on request) and DistributedDataParallel, in a distributed run; the model as is otherwise."""
+def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, apart=(), **ddp_options) -> torch.nn.Module:
+    """SyncBatchNorm (on request) and DistributedDataParallel, in a distributed run; the model as is otherwise.
+
+    `apart`: the names of parameters DDP leaves alone (the sparse tables, which sparse.SparseGradients averages):
+    rank 0's values are given to every rank here, as DDP does for the others when it is built. A model with nothing
+    else to train is not wrapped (DDP refuses a module without a parameter of its own): its state is rank 0's."""
     if not dist_info.enabled:
         return model
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if apart:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(apart))
+        named = dict(model.named_parameters())
+        for name in apart:
+            torch.distributed.broadcast(named[name].detach(), 0)
+        if all(name in apart for name, p in named.items() if p.requires_grad):
+            broadcast_buffers(model)
+            return model
     device_ids = [dist_info.device] if dist_info.device.type == "cuda" else None
     buffers = buffer_sync(not only_norm_statistics(model))
     return torch.nn.parallel.DistributedDataParallel(

@@ -103,7 +103,7 @@ def equal_shares(setup: Setup, task, sparse: list[str], global_loss: bool) -> st
     if getattr(task, "collectives", False):
         return "the task's own collectives (collectives = True), which every rank must call as often,"
     if sparse:
-        return "the model's sparse gradients (which only DDP reduces)"
+        return "the model's sparse gradients (averaged over the ranks, each rank's with the same weight)"
     return ""
 
 

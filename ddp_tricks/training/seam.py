@@ -170,7 +170,7 @@ def sparse_parameters(task, model: nn.Module, dataset, collate=None) -> list[str
 
 def check_sparse(names: list[str], optimizer: str, lars_wrap: bool, strategy: str, traced: bool, nccl: bool) -> None:
     """Sparse gradients (`names`, from sparse_parameters) where this run could not take them, in one line with the
-    fix; they train with --optimizer sgd on DDP over gloo (or in one process): the rest of the template takes
+    fix; they train with --optimizer sgd on gloo (or in one process): the rest of the template takes
     them as they are (accumulation, clipping, AMP, Lookahead, every schedule). Found here, not at the first step."""
     if not names:
         return
@@ -193,7 +193,8 @@ def check_sparse(names: list[str], optimizer: str, lars_wrap: bool, strategy: st
         )
     if nccl:
         raise UserError(
-            f"{what}, which DDP reduces on gloo only (nccl has no sparse all-reduce): pass --backend gloo, {dense}"
+            f"{what}, which the template averages on gloo only (its all-gathers of their rows): pass --backend "
+            f"gloo, {dense}"
         )
 
 

@@ -1,0 +1,76 @@
+"""Sparse gradients (an nn.Embedding(sparse=True)'s) averaged over the ranks by the template, not by DDP's reducer.
+
+DDP takes sparse gradients on gloo, but its reducer's sparse path corrupts the heap now and then (torch 2.14.1 on
+CPU: glibc's "malloc(): unaligned tcache chunk detected" and an abort, inside backward(), about once in a few
+thousand steps of 2 processes, in a plain torch script as in the template; the same tensors reduced after the
+backward, on the calling thread, never did). So DDP is built without the sparse tables (`wrap(apart=...)`), and
+after a step's last backward `SparseGradients.reduce()` averages their gradients: each rank's coalesced rows go out
+in one all-gather of the row counts (a host read: sparse sizes are data, a CPU collective on gloo) and one of the
+indices and one of the values (per dtype), padded to the longest rank's; every rank then sums the same rows in
+the same order and divides by the world size, as DDP's mean does. A table this rank did not touch in the step
+takes part with no rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ddp_tricks.distributed.collectives import gather_from_ranks
+
+
+class SparseGradients:
+    """The gradients of the parameters named `names` (of `model`, before any wrapper), averaged over the ranks by
+    `reduce()`, which every rank calls once per optimizer step, after the step's last backward."""
+
+    def __init__(self, model: torch.nn.Module, names, world_size: int):
+        named = dict(model.named_parameters())
+        self.params = [named[name] for name in names]
+        self.world_size = world_size
+
+    def reduce(self) -> None:
+        grads = [_coalesced(p) for p in self.params]
+        counts = gather_from_ranks(torch.tensor([g._nnz() for g in grads]))  # [ranks, tables]: rows of each
+        # every table's indices, then every table's values of each dtype, in one flat buffer per kind and rank
+        indices = _gathered([g._indices().reshape(-1) for g in grads], counts * _dims(grads, "sparse"))
+        values = {}
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            mine = [k for k, g in enumerate(grads) if g.dtype == dtype]
+            parts = [grads[k]._values().reshape(-1) for k in mine]
+            values[dtype] = (mine, _gathered(parts, counts[:, mine] * _dims([grads[k] for k in mine], "dense")))
+        for k, (param, grad) in enumerate(zip(self.params, grads)):
+            if int(counts[:, k].sum()) == 0 and param.grad is None:
+                continue  # no rank has a gradient for it: it stays without one, as DDP leaves it
+            mine, gathered = values[grad.dtype]
+            rows = torch.cat([part[mine.index(k)] for part in gathered]).reshape(-1, *grad.shape[grad.sparse_dim() :])
+            where = torch.cat([part[k] for part in indices]).reshape(grad.sparse_dim(), -1)
+            total = torch.sparse_coo_tensor(where, rows, grad.shape, check_invariants=False).coalesce()
+            param.grad = total / self.world_size
+
+
+def _coalesced(param: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient of `param` as a coalesced sparse tensor (one row per index): none is no rows."""
+    grad = param.grad
+    if grad is None:
+        return torch.sparse_coo_tensor(
+            torch.empty(1, 0, dtype=torch.int64, device=param.device),
+            torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device),
+            param.shape,
+        )
+    return (grad if grad.is_sparse else grad.to_sparse(1)).coalesce()
+
+
+def _dims(grads, kind: str) -> torch.Tensor:
+    """What one row of each gradient holds: its number of sparse dimensions (indices) or dense elements (values)."""
+    return torch.tensor([g.sparse_dim() if kind == "sparse" else g.shape[g.sparse_dim() :].numel() for g in grads])
+
+
+def _gathered(parts: list[torch.Tensor], lengths: torch.Tensor) -> list[list[torch.Tensor]]:
+    """This rank's flat `parts` concatenated and all-gathered (padded to the longest rank's), each rank's cut back
+    into its parts; `lengths` [ranks, parts] are every rank's part lengths (all known from the counts)."""
+    flat = torch.cat(parts)
+    longest = int(lengths.sum(1).max())
+    padded = torch.cat([flat, flat.new_zeros(longest - len(flat))])
+    received = [torch.empty_like(padded) for _ in range(len(lengths))]
+    dist.all_gather(received, padded)
+    return [list(buffer[: int(sum(row))].split(row.tolist())) for buffer, row in zip(received, lengths)]
