@@ -15,7 +15,8 @@ the squared error trains; `--monitor-metric auc` follows the ranking instead.
 --sparse gives the tables sparse gradients (nn.Embedding(sparse=True)): a step touches only the rows of its
 batch's users and items, which is how large tables stay cheap. Plain SGD steps them (the only optimizer that
 can: run.py refuses the others at start, and gives the tables no momentum and no weight decay); the template
-averages them over the ranks on gloo, apart from DDP (distributed/sparse.py). A table row is used by few samples of a batch, so it needs a larger LR than SGD's default 0.05.
+averages them over the ranks on gloo, apart from DDP (distributed/sparse.py). A table row is used by few samples
+of a batch, so it needs a larger LR than SGD's default 0.05.
 
 Written against the task seam only (see task.py): nothing else in the template knows about recommenders.
 """

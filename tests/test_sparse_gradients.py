@@ -224,7 +224,7 @@ def test_a_refused_setting_on_2_ranks_exits_2_without_a_traceback(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-# ---------------------------------------------------------------- averaged apart from DDP's reducer (distributed/sparse.py)
+# ------------------------------------------------------------ averaged apart from DDP's reducer (distributed/sparse.py)
 # DDP's reducer takes sparse gradients on gloo, but its sparse path aborts the process now and then (glibc's "malloc():
 # unaligned tcache chunk detected" inside backward(), in a plain torch 2.14.1 script too): the template builds DDP
 # without the tables and averages their gradients itself after the step's last backward.
@@ -309,3 +309,42 @@ def test_sparse_tables_are_left_out_of_ddp_and_averaged_after_the_backward_as_dd
     assert not torch.allclose(ranks[0][1]["a.weight"], ranks[1][1]["a.weight"])  # the ranks' own before, apart
     torch.manual_seed(1)
     assert not torch.equal(nn.Embedding(9, 2).weight, ranks[0][6])  # rank 1 began from other weights
+
+
+TABLES_ONLY = '''
+import torch
+from torch import nn
+
+from examples.recommender import ITEMS, USERS, Ratings
+
+
+class Biases(nn.Module):  # a rating as the mean plus a user bias and an item bias: sparse tables, nothing dense
+    def __init__(self, mean):
+        super().__init__()
+        self.user, self.item = nn.Embedding(USERS, 1, sparse=True), nn.Embedding(ITEMS, 1, sparse=True)
+        self.mean = mean
+
+    def forward(self, pairs):
+        return self.mean + self.user(pairs[:, 0]).squeeze(1) + self.item(pairs[:, 1]).squeeze(1)
+
+
+class BiasesOnly(Ratings):
+    def model(self):
+        return Biases(self.mean)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_of_sparse_tables_alone_trains_on_two_ranks_as_one_process_at_the_same_global_batch(tmp_path):
+    # Nothing is left for DDP (it refuses such a module): the model is not wrapped, the template averages the tables.
+    (tmp_path / "biases.py").write_text(TABLES_ONLY)
+    flags = ["--task", f"{tmp_path / 'biases.py'}:BiasesOnly", "--sparse", "-l", "2", "-e", "1", "--no-progress",
+             "--runs-dir", str(tmp_path)]  # fmt: skip
+    two = launch([*flags, "-b", "16", "-n", "two"])
+    one = launch([*flags, "-b", "32", "-n", "one"], nproc=None)
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:] + one.stderr[-3000:]
+    a, b = weights(tmp_path / "two"), weights(tmp_path / "one")
+    assert set(a) == set(b) == {"user.weight", "item.weight"}
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert all(a[k].abs().max().item() > 0.1 for k in a)  # the tables did train
