@@ -311,7 +311,7 @@ def test_sparse_tables_are_left_out_of_ddp_and_averaged_after_the_backward_as_dd
     assert not torch.equal(nn.Embedding(9, 2).weight, ranks[0][6])  # rank 1 began from other weights
 
 
-TABLES_ONLY = '''
+TABLES_ONLY = """
 import torch
 from torch import nn
 
@@ -331,7 +331,7 @@ class Biases(nn.Module):  # a rating as the mean plus a user bias and an item bi
 class BiasesOnly(Ratings):
     def model(self):
         return Biases(self.mean)
-'''
+"""
 
 
 @pytest.mark.slow
