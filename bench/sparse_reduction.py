@@ -142,7 +142,8 @@ def stress(args) -> dict[str, int]:
             said = result.stdout + result.stderr
             if result.returncode != 0:
                 aborted[kind] += "malloc()" in said or f"exitcode: -{int(signal.SIGABRT)}" in said
-                print(f"{kind}: exit {result.returncode}: {said.strip().splitlines()[-1][:160]}", flush=True)
+                lines = [line for line in said.splitlines() if "malloc()" in line or "exitcode" in line] or [""]
+                print(f"{kind}: exit {result.returncode}: {lines[0].strip()[:160]}", flush=True)
     return aborted
 
 
