@@ -15,6 +15,7 @@ from torch import nn
 import run
 from customized_function import same_seeds
 from ddp_tricks import cli as config
+from ddp_tricks.errors import UserError
 from ddp_tricks.training import seam
 
 TASK = ["--task", "examples/recommender.py:Ratings"]
@@ -208,8 +209,8 @@ def test_sparse_gradients_under_nccl_are_one_line_naming_gloo(monkeypatch, tmp_p
     assert run.main([*TASK, "--sparse", "-e", "1", "--no-progress", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"{WHAT}nn.Embedding(sparse=True)), which the template averages on gloo only (its all-gathers of their "
-        f"rows): pass --backend gloo, {DENSE}"
+        f"{WHAT}nn.Embedding(sparse=True)), which the template averages across processes on gloo only (the rows' "
+        f"counts travel as CPU tensors): pass --backend gloo, {DENSE}"
     ]
 
 
@@ -229,21 +230,25 @@ def test_a_refused_setting_on_2_ranks_exits_2_without_a_traceback(tmp_path):
 # unaligned tcache chunk detected" inside backward(), in a plain torch 2.14.1 script too): the template builds DDP
 # without the tables and averages their gradients itself after the step's last backward.
 
-APART = ["a.weight", "b.weight", "never.weight"]
+APART = ["free", "a.weight", "b.weight", "never.weight"]
 
 
 class Lookups(nn.Module):
-    """A float table, a float64 one only some ranks use, one no rank uses, and a dense head (DDP's)."""
+    """A float table (also held by a second module), a float64 one only some ranks use, one no rank uses, the root
+    module's own table (a functional lookup), and a dense head (DDP's)."""
 
     def __init__(self):
         super().__init__()
+        self.free = nn.Parameter(torch.randn(6, 3))
         self.a = nn.Embedding(12, 3, sparse=True)
+        self.a_again = nn.Embedding(12, 3, sparse=True)
+        self.a_again.weight = self.a.weight  # DDP's reducer meets it as "a_again.weight" too
         self.b = nn.Embedding(7, 2, sparse=True).double()
         self.never = nn.Embedding(5, 2, sparse=True)
         self.head = nn.Linear(3, 1)
 
     def forward(self, ids, use_b):
-        out = self.head(self.a(ids)).squeeze(-1)
+        out = self.head(self.a(ids) + F.embedding(ids % 6, self.free, sparse=True)).squeeze(-1)
         return out + self.b(ids % 7).sum(-1).float() if use_b else out
 
 
@@ -260,7 +265,7 @@ def _grads(model):
 def _apart_step(rank, world_size):
     from ddp_tricks.distributed.launch import Dist
     from ddp_tricks.distributed.sparse import SparseGradients
-    from ddp_tricks.distributed.wrap import wrap
+    from ddp_tricks.distributed.wrap import reducer_names, wrap
 
     here = Dist(rank, world_size, rank, torch.device("cpu"), "gloo")
     torch.manual_seed(rank)  # every rank starts from its own weights: wrap gives them rank 0's
@@ -271,12 +276,26 @@ def _apart_step(rank, world_size):
     ids, use_b = _rank_batch(rank)
     ddp(ids, use_b).square().mean().backward()
     before = _grads(model)  # DDP has averaged the head's, and left the tables alone
+    if rank == 0:  # a gradient with no row: no rank has a row, so no rank keeps a gradient
+        model.never.weight.grad = torch.sparse_coo_tensor(
+            torch.empty(1, 0, dtype=torch.int64), torch.empty(0, 2), (5, 2)
+        )
     sparse.reduce()
-    coalesced = all(p.grad.is_sparse and p.grad.is_coalesced() for n, p in model.named_parameters() if n in APART[:2])
+    coalesced = all(p.grad.is_sparse and p.grad.is_coalesced() for n, p in model.named_parameters() if n in APART[:3])
     torch.manual_seed(rank)
     tables_only = nn.Embedding(9, 2, sparse=True)
     wrapped = wrap(tables_only, here, apart=["weight"])  # nothing left for DDP: not wrapped, rank 0's weights
-    return start, before, _grads(model), coalesced, type(ddp).__name__, wrapped is tables_only, tables_only.weight
+    named = reducer_names(model)  # what DDP's error messages index: the head alone
+    return (
+        start,
+        before,
+        _grads(model),
+        coalesced,
+        type(ddp).__name__,
+        wrapped is tables_only,
+        tables_only.weight,
+        named,
+    )
 
 
 @pytest.mark.timeout(120)
@@ -295,14 +314,15 @@ def test_sparse_tables_are_left_out_of_ddp_and_averaged_after_the_backward_as_dd
         name: None if all(g[name] is None for g in local) else sum(g[name] for g in local if g[name] is not None) / 2
         for name in local[0]
     }
-    for rank, (start, before, after, coalesced, kind, unwrapped, table) in enumerate(ranks):
-        assert kind == "DistributedDataParallel" and unwrapped and coalesced
+    for rank, (start, before, after, coalesced, kind, unwrapped, table, named) in enumerate(ranks):
+        assert kind == "DistributedDataParallel" and unwrapped and coalesced and named == ["head.weight", "head.bias"]
         assert all(torch.equal(start[n], p) for n, p in reference.named_parameters())  # rank 0's tables too
         assert torch.equal(table, ranks[0][6])
         assert torch.allclose(before["head.weight"], mean["head.weight"], atol=1e-6)  # DDP's own mean
-        assert torch.allclose(before["a.weight"], local[rank]["a.weight"], atol=1e-6)  # the rank's own: DDP's apart
+        for name in ("a.weight", "free"):  # the rank's own: DDP left them alone (a shared table, the root's own)
+            assert torch.allclose(before[name], local[rank][name], atol=1e-6), (rank, name)
         assert (before["b.weight"] is None) == (rank == 1)
-        for name in ("a.weight", "b.weight"):
+        for name in ("a.weight", "b.weight", "free"):
             assert after[name].dtype == mean[name].dtype
             assert torch.allclose(after[name], mean[name], atol=1e-6), (rank, name)
         assert after["never.weight"] is None  # no rank has a gradient for it: none, as DDP leaves it
@@ -348,3 +368,15 @@ def test_a_model_of_sparse_tables_alone_trains_on_two_ranks_as_one_process_at_th
     assert set(a) == set(b) == {"user.weight", "item.weight"}
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     assert all(a[k].abs().max().item() > 0.1 for k in a)  # the tables did train
+
+
+def test_sparse_gradients_with_apex_on_several_processes_are_one_line_naming_native_amp():
+    # Apex's amp unscales and checks for overflow inside backward(), before the template averages the tables.
+    with pytest.raises(UserError) as caught:
+        seam.check_sparse(["t.weight"], "sgd", False, "ddp", False, False, True)
+    assert str(caught.value) == (
+        "the model's t.weight gets sparse gradients (an nn.Embedding(sparse=True)), which the template averages "
+        "across processes after the backward, where --amp-backend apex has already unscaled them and judged an "
+        "overflow on each rank alone: use --amp-backend native, or make the tables dense (sparse=False)"
+    )
+    seam.check_sparse(["t.weight"], "sgd", False, "ddp", False, False, False)  # native AMP, or one process: taken

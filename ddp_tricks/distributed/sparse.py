@@ -8,7 +8,8 @@ after a step's last backward `SparseGradients.reduce()` averages their gradients
 in one all-gather of the row counts (a host read: sparse sizes are data, a CPU collective on gloo) and one of the
 indices and one of the values (per dtype), padded to the longest rank's; every rank then sums the same rows in
 the same order and divides by the world size, as DDP's mean does. A table this rank did not touch in the step
-takes part with no rows.
+takes part with no rows; one that no rank touched is left without a gradient on every rank, as DDP leaves it.
+Rows are indexed by the first dimension (an embedding's gradient; any other sparse gradient is made so first).
 """
 
 from __future__ import annotations
@@ -32,24 +33,26 @@ class SparseGradients:
         grads = [_coalesced(p) for p in self.params]
         counts = gather_from_ranks(torch.tensor([g._nnz() for g in grads]))  # [ranks, tables]: rows of each
         # every table's indices, then every table's values of each dtype, in one flat buffer per kind and rank
-        indices = _gathered([g._indices().reshape(-1) for g in grads], counts * _dims(grads, "sparse"))
+        indices = _gathered([g._indices().reshape(-1) for g in grads], counts)
         values = {}
         for dtype in dict.fromkeys(g.dtype for g in grads):
             mine = [k for k, g in enumerate(grads) if g.dtype == dtype]
             parts = [grads[k]._values().reshape(-1) for k in mine]
-            values[dtype] = (mine, _gathered(parts, counts[:, mine] * _dims([grads[k] for k in mine], "dense")))
+            values[dtype] = (mine, _gathered(parts, counts[:, mine] * _row_sizes([grads[k] for k in mine])))
         for k, (param, grad) in enumerate(zip(self.params, grads)):
-            if int(counts[:, k].sum()) == 0 and param.grad is None:
-                continue  # no rank has a gradient for it: it stays without one, as DDP leaves it
+            if int(counts[:, k].sum()) == 0:  # no rank has a row of it (on every rank alike)
+                param.grad = None
+                continue
             mine, gathered = values[grad.dtype]
-            rows = torch.cat([part[mine.index(k)] for part in gathered]).reshape(-1, *grad.shape[grad.sparse_dim() :])
-            where = torch.cat([part[k] for part in indices]).reshape(grad.sparse_dim(), -1)
+            rows = torch.cat([part[mine.index(k)] for part in gathered]).reshape(-1, *grad.shape[1:])
+            where = torch.cat([part[k] for part in indices]).reshape(1, -1)
             total = torch.sparse_coo_tensor(where, rows, grad.shape, check_invariants=False).coalesce()
             param.grad = total / self.world_size
 
 
 def _coalesced(param: torch.Tensor) -> torch.Tensor:
-    """This rank's gradient of `param` as a coalesced sparse tensor (one row per index): none is no rows."""
+    """This rank's gradient of `param` as a coalesced sparse tensor of rows (one sparse dimension, one row per index):
+    none is no rows."""
     grad = param.grad
     if grad is None:
         return torch.sparse_coo_tensor(
@@ -57,12 +60,14 @@ def _coalesced(param: torch.Tensor) -> torch.Tensor:
             torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device),
             param.shape,
         )
-    return (grad if grad.is_sparse else grad.to_sparse(1)).coalesce()
+    if not grad.is_sparse or grad.sparse_dim() != 1:
+        grad = grad.to_dense().to_sparse(1)
+    return grad.coalesce()
 
 
-def _dims(grads, kind: str) -> torch.Tensor:
-    """What one row of each gradient holds: its number of sparse dimensions (indices) or dense elements (values)."""
-    return torch.tensor([g.sparse_dim() if kind == "sparse" else g.shape[g.sparse_dim() :].numel() for g in grads])
+def _row_sizes(grads) -> torch.Tensor:
+    """The values in one row of each gradient."""
+    return torch.tensor([g.shape[1:].numel() for g in grads])
 
 
 def _gathered(parts: list[torch.Tensor], lengths: torch.Tensor) -> list[list[torch.Tensor]]:
@@ -70,6 +75,8 @@ def _gathered(parts: list[torch.Tensor], lengths: torch.Tensor) -> list[list[tor
     into its parts; `lengths` [ranks, parts] are every rank's part lengths (all known from the counts)."""
     flat = torch.cat(parts)
     longest = int(lengths.sum(1).max())
+    if longest == 0:  # no rank has a row (known alike from the counts): nothing to send
+        return [list(flat.split(row.tolist())) for row in lengths]
     padded = torch.cat([flat, flat.new_zeros(longest - len(flat))])
     received = [torch.empty_like(padded) for _ in range(len(lengths))]
     dist.all_gather(received, padded)

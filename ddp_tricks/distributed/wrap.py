@@ -19,17 +19,19 @@ def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, apart=(), **d
 
     `apart`: the names of parameters DDP leaves alone (the sparse tables, which sparse.SparseGradients averages):
     rank 0's values are given to every rank here, as DDP does for the others when it is built. A model with nothing
-    else to train is not wrapped (DDP refuses a module without a parameter of its own): its state is rank 0's."""
+    else to train is not wrapped (DDP refuses a module without a parameter of its own): its state is rank 0's
+    (its buffers given once, not before every forward as DDP would)."""
     if not dist_info.enabled:
         return model
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if apart:
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(apart))
-        named = dict(model.named_parameters())
-        for name in apart:
-            torch.distributed.broadcast(named[name].detach(), 0)
-        if all(name in apart for name, p in named.items() if p.requires_grad):
+        tables = [dict(model.named_parameters())[name] for name in apart]
+        ignored = ddp_names(model, {id(p) for p in tables})
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        for table in tables:
+            torch.distributed.broadcast(table.detach(), 0)
+        if all(getattr(p, "_ddp_ignored", False) for p in model.parameters() if p.requires_grad):
             broadcast_buffers(model)
             return model
     device_ids = [dist_info.device] if dist_info.device.type == "cuda" else None
@@ -37,6 +39,16 @@ def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, apart=(), **d
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, gradient_as_bucket_view=True, **buffers, **ddp_options
     )
+
+
+def ddp_names(model: torch.nn.Module, ids: set[int]) -> list[str]:
+    """Every name by which DDP may look up the parameters whose id() is in `ids`: named_parameters()'s, and module by
+    module the "{module}.{parameter}" its reducer checks (".weight" for the root module's own; a parameter shared
+    by two modules under each)."""
+    names = [name for name, p in model.named_parameters() if id(p) in ids]
+    for module_name, module in model.named_modules():
+        names += [f"{module_name}.{n}" for n, p in module.named_parameters(recurse=False) if id(p) in ids]
+    return list(dict.fromkeys(names))
 
 
 def buffer_sync(on: bool) -> dict[str, bool]:
@@ -99,11 +111,12 @@ def name_unused_parameters(error: RuntimeError, model: torch.nn.Module) -> None:
 
 def reducer_names(module: torch.nn.Module) -> list[str]:
     """The names of the parameters DDP's reducer holds, in its order (what its error messages index): module by
-    module, each module's own parameters that require a gradient, a shared one at its first place."""
+    module, each module's own parameters that require a gradient, a shared one at its first place; not those it
+    was told to leave alone (wrap's `apart`)."""
     names, seen = [], set()
     for module_name, child in module.named_modules():
         for name, param in child.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in seen:
+            if param.requires_grad and id(param) not in seen and not getattr(param, "_ddp_ignored", False):
                 seen.add(id(param))
                 names.append(f"{module_name}.{name}" if module_name else name)
     return names

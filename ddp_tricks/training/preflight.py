@@ -128,7 +128,8 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         shard_line = fsdp.describe_units(model, units, folded)
     global_loss = seam.check_global_loss(task, model, dataset, collate, traced=setup.traced)
     plan = make_plan(equal_shares(setup, task, sparse, global_loss))
-    seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl)
+    apex = setup.apex and setup.world_size > 1
+    seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl, apex)
     seam.check_batchnorm(model, dataset, collate, plan.smallest_micro_batch, plan.why_small())
     accumulation = cached.choose(task, plan.accum_steps, plan.traced, setup.apex)
     no_noise_scale = "--no-noise-scale"

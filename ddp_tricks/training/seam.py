@@ -168,10 +168,13 @@ def sparse_parameters(task, model: nn.Module, dataset, collate=None) -> list[str
             p.grad = None
 
 
-def check_sparse(names: list[str], optimizer: str, lars_wrap: bool, strategy: str, traced: bool, nccl: bool) -> None:
+def check_sparse(
+    names: list[str], optimizer: str, lars_wrap: bool, strategy: str, traced: bool, nccl: bool, apex: bool
+) -> None:
     """Sparse gradients (`names`, from sparse_parameters) where this run could not take them, in one line with the
     fix; they train with --optimizer sgd on gloo (or in one process): the rest of the template takes
-    them as they are (accumulation, clipping, AMP, Lookahead, every schedule). Found here, not at the first step."""
+    them as they are (accumulation, clipping, AMP, Lookahead, every schedule). Found here, not at the first step.
+    `nccl`, `apex`: that backend, or Apex's amp, with more than one process."""
     if not names:
         return
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -193,8 +196,13 @@ def check_sparse(names: list[str], optimizer: str, lars_wrap: bool, strategy: st
         )
     if nccl:
         raise UserError(
-            f"{what}, which the template averages on gloo only (its all-gathers of their rows): pass --backend "
-            f"gloo, {dense}"
+            f"{what}, which the template averages across processes on gloo only (the rows' counts travel as CPU "
+            f"tensors): pass --backend gloo, {dense}"
+        )
+    if apex:
+        raise UserError(
+            f"{what}, which the template averages across processes after the backward, where --amp-backend apex "
+            f"has already unscaled them and judged an overflow on each rank alone: use --amp-backend native, {dense}"
         )
 
 
