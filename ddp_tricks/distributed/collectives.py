@@ -71,14 +71,19 @@ def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+def gather_rows(tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
     """Every rank's rows of `tensor`, concatenated along the first dimension in rank order, without gradients (the
     tensor itself alone): the ranks' numbers of rows may differ (each is padded to the longest for the all-gather
     and cut back after); the other dimensions and the dtype must agree. One small all-gather of the row counts (a
-    host read) and one of the rows: evaluation's gathered metric states, once per evaluation, never in a step."""
+    host read; none where every rank passes them, `sizes`) and one of the rows (none when no rank has one):
+    evaluation's gathered metric states, once per evaluation; sparse gradients' rows (sparse.py)."""
     if not _distributed():
         return tensor
-    sizes = [int(n) for n in gather_from_ranks(torch.tensor([len(tensor)], device=tensor.device)).flatten().tolist()]
+    if sizes is None:
+        sizes = gather_from_ranks(torch.tensor([len(tensor)], device=tensor.device)).flatten().tolist()
+    sizes = [int(n) for n in sizes]
+    if max(sizes) == 0:
+        return tensor
     dtype = tensor.dtype
     padded = (tensor.to(torch.uint8) if dtype == torch.bool else tensor).contiguous()  # backends move bytes, not bools
     if len(tensor) < max(sizes):

@@ -6,8 +6,9 @@ thousand steps of 2 processes, in a plain torch script as in the template; the s
 backward, on the calling thread, never did). So DDP is built without the sparse tables (`wrap(apart=...)`), and
 after a step's last backward `SparseGradients.reduce()` averages their gradients: each rank's coalesced rows go out
 in one all-gather of the row counts (a host read: sparse sizes are data, a CPU collective on gloo) and one of the
-indices and one of the values (per dtype), padded to the longest rank's; every rank then sums the same rows in
-the same order and divides by the world size, as DDP's mean does. A table this rank did not touch in the step
+indices and one of the values (per dtype), padded to the longest rank's (collectives.gather_rows; none when no
+rank has a row); every rank then sums the same rows in the same order and divides by the world size, as DDP's
+mean does. A table this rank did not touch in the step
 takes part with no rows; one that no rank touched is left without a gradient on every rank, as DDP leaves it.
 Rows are indexed by the first dimension (an embedding's gradient; any other sparse gradient is made so first).
 """
@@ -15,9 +16,8 @@ Rows are indexed by the first dimension (an embedding's gradient; any other spar
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ddp_tricks.distributed.collectives import gather_from_ranks
+from ddp_tricks.distributed.collectives import gather_from_ranks, gather_rows
 
 
 class SparseGradients:
@@ -71,13 +71,7 @@ def _row_sizes(grads) -> torch.Tensor:
 
 
 def _gathered(parts: list[torch.Tensor], lengths: torch.Tensor) -> list[list[torch.Tensor]]:
-    """This rank's flat `parts` concatenated and all-gathered (padded to the longest rank's), each rank's cut back
-    into its parts; `lengths` [ranks, parts] are every rank's part lengths (all known from the counts)."""
-    flat = torch.cat(parts)
-    longest = int(lengths.sum(1).max())
-    if longest == 0:  # no rank has a row (known alike from the counts): nothing to send
-        return [list(flat.split(row.tolist())) for row in lengths]
-    padded = torch.cat([flat, flat.new_zeros(longest - len(flat))])
-    received = [torch.empty_like(padded) for _ in range(len(lengths))]
-    dist.all_gather(received, padded)
-    return [list(buffer[: int(sum(row))].split(row.tolist())) for buffer, row in zip(received, lengths)]
+    """This rank's flat `parts` concatenated and all-gathered, each rank's cut back into its parts; `lengths`
+    [ranks, parts] are every rank's part lengths (all known from the counts: no all-gather of sizes)."""
+    every = gather_rows(torch.cat(parts), sizes=lengths.sum(1).tolist()).split(lengths.flatten().tolist())
+    return [list(every[rank * len(parts) : (rank + 1) * len(parts)]) for rank in range(len(lengths))]

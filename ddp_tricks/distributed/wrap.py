@@ -26,7 +26,8 @@ def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, apart=(), **d
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if apart:
-        tables = [dict(model.named_parameters())[name] for name in apart]
+        named = dict(model.named_parameters())
+        tables = [named[name] for name in apart]
         ignored = ddp_names(model, {id(p) for p in tables})
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         for table in tables:
