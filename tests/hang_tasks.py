@@ -9,6 +9,9 @@ exists):
     FAULT=first    rank 0's first training step sleeps $SLOW seconds (a first step that compiles)
     FAULT=save     rank 0's first checkpoint write sleeps $SLOW seconds (a large checkpoint)
     FAULT=figures  rank 0's figures take $SLOW seconds more (the others have finished)
+    FAULT=slow     every rank's training calls 2 to AT take $SLOW seconds each (ordinary slow steps), the rest none
+    FAULT=stall    every rank's training calls 2 to AT - 1 take $STEP seconds each; at call AT rank 0 sleeps $SLOW
+                   seconds (a step far slower than the ones before it) while rank 1 waits in DDP's backward
 
     torchrun --standalone --nproc_per_node=2 run.py --task tests/hang_tasks.py:Faulty --hang-timeout 3
 """
@@ -34,6 +37,7 @@ class Faulty(Task):
         self.fault = os.environ.get("FAULT", "")
         self.at = int(os.environ.get("AT", "1"))
         self.slow = float(os.environ.get("SLOW", "8"))
+        self.step_seconds = float(os.environ.get("STEP", "0"))
         self.calls = 0
         self.val_calls = 0
         if self.fault == "save" and _rank() == 0:
@@ -69,6 +73,12 @@ class Faulty(Task):
         self.calls += 1
         now = self.calls == self.at
         if self.fault == "first" and _rank() == 0 and self.calls == 1:
+            time.sleep(self.slow)
+        if self.fault == "slow" and 2 <= self.calls <= self.at:
+            time.sleep(self.slow)
+        if self.fault == "stall" and 2 <= self.calls < self.at:
+            time.sleep(self.step_seconds)
+        if self.fault == "stall" and now and _rank() == 0:
             time.sleep(self.slow)
         if self.fault == "stop" and now and _rank() == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGSTOP)

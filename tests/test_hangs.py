@@ -177,3 +177,40 @@ def test_a_real_compile_raises_no_alarm(tmp_path):
     result = launch(flags, env=env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "inductor"), timeout=360)  # compiles in full
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hangs" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ordinary_steps_slower_than_the_hang_timeout_raise_no_alarm(tmp_path):
+    """Every training step from the 2nd to the 5th takes 3 s on both ranks, at --hang-timeout 1 --hang-factor 3: a
+    healthy job whose ordinary steps are longer than --hang-timeout. The watchdog's deadline is max(3 x the slowest
+    step seen, 1 s) = 9 s once a slow step has been timed, and before the first ordinary step has been timed a
+    training step is judged as long legitimate work is; the run ends normally. Broken on purpose: a training step
+    held to the deadline before an ordinary step is timed (heartbeat's `timed` without `slowest > 0`, the rule before
+    this test) ends it as hung at step 2 (exit 4, "the slowest step 0 s")."""
+    flags = [*TASK, *SHORT, "--runs-dir", tmp_path, "-n", "slow", "--hang-timeout", "1", "--hang-factor", "3"]
+    result = launch([*flags, "--heartbeat-timeout", "6"], env=env(FAULT="slow", AT=5, SLOW=3), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hangs" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_step_slower_than_the_deadline_still_ends_as_hung(tmp_path):
+    """Steps 2 to 7 take 1.5 s on both ranks, then rank 0 sleeps 40 s in step 8 while rank 1 waits in DDP's backward
+    (a collective in C++, no torch.distributed call on its stack): at --hang-timeout 1 --hang-factor 3 the deadline is
+    max(3 x 1.5 s, 1 s) = 4.5 s, and the job ends as hung within seconds of it, the slowest step it names measured.
+    Broken on purpose: the slowest step never recorded (`_slowest` stays 0 in heartbeat.step) fails it: the stall is
+    then judged as long legitimate work and the job runs on."""
+    flags = [*TASK, *SHORT, "--runs-dir", tmp_path, "-n", "stall", "--hang-timeout", "1", "--hang-factor", "3"]
+    started = time.monotonic()
+    result = launch([*flags, "--heartbeat-timeout", "6"], env=env(FAULT="stall", AT=8, STEP=1.5, SLOW=40), timeout=180)
+    seconds = time.monotonic() - started
+    assert result.exitcodes == [4, 4], (result.exitcodes, result.stderr[-3000:])
+    found = re.search(
+        r"no progress on any rank for (\d+) s \(max\(--hang-factor 3 x the slowest step ([\d.]+) s", result.stderr
+    )
+    assert found, result.stderr[-3000:]
+    assert 4.5 <= float(found[1]) < 15 and 1.5 <= float(found[2]) < 3, found.groups()
+    assert seconds < 40, seconds  # ended by the watchdog, not by rank 0 waking up
+    assert re.search(r"error: rank 0: train step 8, is at tests/hang_tasks.py:\d+ loss\(\)", result.stderr)

@@ -11,7 +11,8 @@ from the main thread's stack), and on ranks 0 and N-1 (the observers) reads ever
   seen on the observer's own clock (no clock is compared across nodes);
 - no rank makes progress: every rank not finished has made none for max(--hang-factor x the slowest step seen,
   --hang-timeout) in training, or, in a phase of long legitimate work (start-up, a first step, evaluation, a
-  checkpoint, figures, precise BN), for --hang-timeout while waiting in a torch.distributed call. A rank working in
+  checkpoint, figures, precise BN, and a training step before any ordinary step has been timed), for
+  --hang-timeout while waiting in a torch.distributed call. A rank working in
   such a phase (its main thread anywhere else: torch.save, a slow evaluation), or compiling (torch.compile's
   frames on its stack, at any step), is never counted as stuck.
 
@@ -191,10 +192,13 @@ class Heart:
         slowest = max(b["slowest"] for b in beats)
         deadline = max(_settings["factor"] * slowest, _settings["floor"])
         for b in live:
-            if b["idle"] < (deadline if b["phase"] == "train" else _settings["floor"]):
+            # a training step is held to the deadline once an ordinary step has been timed (the first of a process
+            # or epoch is not one: it may compile); before that, like every other phase, as long legitimate work
+            timed = b["phase"] == "train" and slowest > 0
+            if b["idle"] < (deadline if timed else _settings["floor"]):
                 return None
-            if b["phase"] != "train" and not b["waits"] or b.get("compiles"):
-                return None  # long legitimate work (every phase but training, or a compile), not a wait
+            if not timed and not b["waits"] or b.get("compiles"):
+                return None  # long legitimate work (every phase but timed training, or a compile), not a wait
         if not live:
             return None
         what = stuck_collective({r: b["waits"] for r, b in enumerate(beats) if b["phase"] != "done"})
