@@ -196,6 +196,65 @@ def test_which_models_ddp_broadcasts_buffers_for_at_every_forward():
     assert not only_norm_statistics(queue)
 
 
+class LastBatchMean(nn.Module):
+    """A model whose forward reads a buffer it updates (as a queue or a memory bank does): its output is a linear
+    map plus the sum of the previous batch's mean, which it then stores."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+        self.register_buffer("memory", torch.zeros(3))
+
+    def forward(self, x):
+        y = self.linear(x) + self.memory.sum()
+        self.memory.copy_(x.detach().mean(0))
+        return y
+
+
+def _rank_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 3, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _ddp_buffer_broadcast(rank, world_size):
+    """wrap() on 2 ranks: what DDP was built with for a model of norm statistics only and for one with another buffer,
+    and the second step's outputs of the model whose forward reads its buffer."""
+    from ddp_tricks.distributed.launch import Dist
+    from ddp_tricks.distributed.wrap import wrap
+
+    here = Dist(rank, world_size, rank, torch.device("cpu"), "gloo")
+    torch.manual_seed(rank)  # DDP gives every rank rank 0's parameters and buffers when it is built
+    norms = wrap(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), here)
+    memory = wrap(LastBatchMean(), here)
+    outputs = []
+    for step in range(2):
+        y = memory(_rank_batch(rank, step))
+        y.sum().backward()  # no optimizer step: the weights stay rank 0's initial ones
+        outputs.append(y.detach())
+    weights = {k: v.detach().clone() for k, v in memory.module.linear.state_dict().items()}
+    return norms.broadcast_buffers, memory.broadcast_buffers, outputs[1], weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ddp_broadcasts_rank_0_s_buffers_at_every_forward_only_where_a_forward_reads_them():
+    """2 ranks, the models as wrap() builds DDP for them: a model whose buffers are all norm statistics without the
+    per-forward broadcast (DDP's own attribute read back), a model with another buffer with it; and that buffer, which
+    the forward updates from each rank's own batch, is rank 0's at the next forward on every rank: the second step's
+    output on rank r is W x_r + b + sum(mean of rank 0's first batch), written here from the formula. Broken on purpose:
+    `buffer_sync(only_norm_statistics(model))` in wrap() (the rule inverted) fails both the flags and rank 1's output,
+    which then adds its own first batch's mean."""
+    from multiproc import run_ranks
+
+    ranks = run_ranks(_ddp_buffer_broadcast, 2)
+    assert [(norms, memory) for norms, memory, _, _ in ranks] == [(False, True), (False, True)]
+    rank0_first_mean = _rank_batch(0, 0).mean(0)
+    for rank, (_, _, output, weights) in enumerate(ranks):
+        x = _rank_batch(rank, 1)
+        expected = x @ weights["weight"].T + weights["bias"] + rank0_first_mean.sum()
+        torch.testing.assert_close(output, expected, rtol=0, atol=1e-6)
+    assert all(torch.equal(ranks[0][3][k], ranks[1][3][k]) for k in ranks[0][3])  # rank 0's weights on both
+
+
 @pytest.mark.timeout(300)
 def test_without_the_per_step_buffer_broadcast_training_evaluation_and_checkpoints_are_unchanged(tmp_path):
     """2 ranks, the built-in BatchNorm model: DDP without its per-forward broadcast of rank 0's buffers (the
