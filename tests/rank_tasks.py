@@ -8,6 +8,7 @@ change.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import signal
@@ -151,6 +152,27 @@ class Preempting:
                 job = os.environ.get("TEST_JOB_PIDS")
                 for pid in map(int, Path(job).read_text().split()) if job else [os.getppid()]:
                     os.kill(pid, signal.SIGTERM)
+        return super().loss(outputs, targets)
+
+
+class StepsPerRank(Task):
+    """The built-in task, each rank counting its training micro-batches (forwards with gradients, once the process
+    group exists) and writing the count to $STEPS_DIR/steps-rankR.txt as its process ends: the step each rank
+    stopped at (one micro-batch per step without accumulation)."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.micro_batches = 0
+        atexit.register(self._write)
+
+    def _write(self):
+        Path(os.environ["STEPS_DIR"], f"steps-rank{os.environ.get('RANK', '0')}.txt").write_text(
+            str(self.micro_batches)
+        )
+
+    def loss(self, outputs, targets):
+        if torch.is_grad_enabled() and dist.is_initialized():
+            self.micro_batches += 1
         return super().loss(outputs, targets)
 
 

@@ -103,6 +103,40 @@ def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_
     assert_same_run(uninterrupted, run_dir)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_every_rank_stops_at_the_same_step_with_the_agreement_timed_by_rank_0(tmp_path):
+    """SIGTERM to rank 1 alone, the ranks agreeing every K steps with K timed by rank 0 (the default; not the fixed
+    K = 1 of the tests' preempting tasks): both end with 143, each having trained the same number of steps (counted by
+    each rank's task), the step rank 0 saved. Small watchdog thresholds, so a disagreement that deadlocks ends in
+    seconds. Broken on purpose: K a per-rank value instead of the agreed one (preemption.py: `_settle` keeps each
+    rank's own `every`, rank 0's timed one and 1 on the others) fails it: the ranks' agreements no longer pair up
+    and the job ends as hung (exit 4), not preempted."""
+    run_dir = tmp_path / "k"
+    flags = [
+        *FLAGS,
+        "--epochs",
+        "1",
+        "-n",
+        "k",
+        "--runs-dir",
+        str(tmp_path),
+        "--task",
+        "tests/rank_tasks.py:StepsPerRank",
+    ]
+    flags += ["--hang-timeout", "10", "--hang-factor", "3", "--heartbeat-timeout", "10"]
+    with Job(flags, env={**os.environ, "STEPS_DIR": str(tmp_path)}) as job:
+        _wait_for(lambda: (run_dir / "workers.json").exists())
+        time.sleep(1.0)  # some steps in: rank 0 has timed them
+        os.kill(_pids(run_dir)[1], signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    assert job.exitcodes == [143, 143], (job.exitcodes, err[-3000:])
+    steps = [int((tmp_path / f"steps-rank{rank}.txt").read_text()) for rank in (0, 1)]
+    saved = checkpoint.load(run_dir / "last.pt")
+    assert steps[0] == steps[1] == saved["global_step"] > 0, (steps, saved["global_step"])
+    assert took(out) == (saved["global_step"], 0, saved["global_step"])
+
+
 @pytest.mark.xdist_group("resume-uninterrupted")  # on one worker: the module's shared run is made once
 @pytest.mark.slow
 @pytest.mark.timeout(400)
