@@ -345,22 +345,23 @@ def evaluate(t: Training, loader) -> dict[str, float]:
             units = samples if units_of is None else units_tensor(units_of(inputs, targets), t.device)
             sums[:-1] += validation_states(t, model, inputs, targets, units, rows)
             sums[-1] += units
-        for _ in range(empty):  # the same forward and evaluation as a counted batch; discarded
-            run_empty_batch(t, model, loader)
+        for _ in range(empty):  # the same forward and evaluation as a counted batch: sums discarded, rows of none
+            run_empty_batch(t, model, loader, rows)
     *total, units = all_reduce_sum(sums).tolist()
     gathered = {name: gather_rows(torch.cat(parts)) for name, parts in rows.items()}  # rank order: any order
     return report(t.task, layout, "val", total, units, gathered, loss=t.scoring is None)
 
 
-def run_empty_batch(t: Training, model: nn.Module, loader) -> None:
+def run_empty_batch(t: Training, model: nn.Module, loader, rows: dict | None = None) -> None:
     """A validation batch of no sample (the loader's first item, collated, cut to 0 rows) through the model and the
-    task's evaluation, its states discarded: a rank's share of a round in which it holds no sample. A model or a task
-    that fails on it is one line naming the split and the fix."""
+    task's evaluation, its sums discarded: a rank's share of a round in which it holds no sample. Its gathered states
+    (0 rows each) go into `rows`: a rank that holds no validation sample at all still has rows to join, of the
+    right trailing shape and dtype. A model or a task that fails on it is one line naming the split and the fix."""
     inputs, targets = (
         to_device(part, t.device) for part in no_rows(batch_of(loader.dataset, [0], loader.collate_fn), 1)
     )
     try:
-        validation_states(t, model, inputs, targets, 0, None)
+        validation_states(t, model, inputs, targets, 0, rows)
     except Exception as error:
         rounds, ranks = loader.batch_sampler.rounds, t.world_size
         raise UserError(
