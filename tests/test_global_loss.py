@@ -529,3 +529,64 @@ def test_importing_the_package_still_imports_no_torch_and_exports_the_rank_helpe
     code = "import sys, ddp_tricks; print('torch' in sys.modules, 'gather_with_grad' in ddp_tricks.__all__)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False True", result.stderr
+
+
+TORCH_GATHER_TASK = """
+import importlib.util
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_tricks import InMemoryDataset
+
+spec = importlib.util.spec_from_file_location("contrastive_example", {path!r})
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+
+
+class TorchGatherSimCLR(example.SimCLR):
+    '''The example's NT-Xent with torch.distributed.nn.functional.all_gather as most SimCLR code calls it (no counts,
+    no padding), and 361 validation samples (the 359 validation digits and 2 training ones).'''
+
+    def datasets(self):
+        train, val = super().datasets()
+        return train, InMemoryDataset(torch.cat([val.inputs, train.inputs[:2]]), torch.cat([val.targets,
+                                      train.targets[:2]]))
+
+    def loss(self, outputs, targets):
+        z = F.normalize(outputs["z"], dim=-1)
+        if dist.is_initialized():
+            z = torch.cat(torch.distributed.nn.functional.all_gather(z))
+        return example.nt_xent(z[:, 0], z[:, 1], self.args.temperature)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_simclr_with_torch_s_unpadded_all_gather_trains_on_2_ranks_with_361_validation_samples(tmp_path):
+    """#48's case: 361 validation samples on 2 ranks at --val-batch-size 60 (3 rounds of 60 rows each, then 1
+    leftover on both), a loss that gathers with torch's equal-size all_gather (training's steps equal: --drop-last).
+    The run ends; its per-sample metric (the linear probe's accuracy) and its top-1 (gathered by gather_with_grad)
+    equal one process's evaluation of the saved weights at the same global batches. Broken on purpose: the split
+    before #48 (181 and 180 rows): the first evaluation ends the job with its "collective mismatch" line."""
+    task_file = tmp_path / "torch_gather.py"
+    task_file.write_text(TORCH_GATHER_TASK.format(path=str(REPO / "examples" / "contrastive.py")))
+    args = ["--task", f"{task_file}:TorchGatherSimCLR", "--views", "fixed", "-b", "32", "-e", "1", "--drop-last",
+            "--val-batch-size", "60", "--runs-dir", str(tmp_path), "--name", "gathered", "--no-progress"]  # fmt: skip
+    result = launch(args, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "gathered" / "metrics.csv") as f:
+        row = list(csv.DictReader(f))[-1]
+    flags, task_class = cli.parse(["--task", f"{task_file}:TorchGatherSimCLR", "--views", "fixed"])
+    task = task_class(flags)
+    _, val = task.datasets()
+    assert len(val) == 361
+    model = task.model()
+    model.load_state_dict(torch.load(tmp_path / "gathered" / "last.pt", weights_only=True)["model"])
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    one = loop.evaluate(t, tiny.together_loader(val, 2, 60))  # global batches of 120, 120, 120 and the leftover 1
+    for key in ("val_top1", "val_probe_acc"):
+        assert float(row[key]) == pytest.approx(one[key], rel=1e-5), key
+    assert 0 < one["val_probe_acc"] <= 1
