@@ -278,9 +278,10 @@ def _largest_difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _uneven_evaluation(rank_, world, val_batch):
-    """The example's evaluation (BatchNorm on) of 241 validation samples: 121 and 120 on 2 ranks, with a batch of 60
-    three global batches of 81, 80, 80 (41 and 40 rows, then 40 and 40), 3 batches on each rank."""
+def _uneven_evaluation(rank_, world, val_batch, together=None):
+    """The example's evaluation (BatchNorm on) of 241 validation samples: on 2 ranks with a batch of 60, two rounds
+    of 60 rows on each rank (global batches of 120), then the leftover sample on both, 3 batches on each rank;
+    `together` (world, batch): one process holding those ranks' global batches."""
     args, task = example("--views", "fixed")
     train, val = task.datasets()
     extra = loaders.InMemoryDataset(train.inputs[:241], train.targets[:241])
@@ -293,6 +294,8 @@ def _uneven_evaluation(rank_, world, val_batch):
     t = tiny.training(model, optimizer, rank=rank_, world_size=world)
     t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
     loader = loaders.val_loader(extra, val_batch, rank_, world, tiny.CPU)
+    if together is not None:
+        loader = tiny.together_loader(extra, *together)
     assert len(loader) == 3
     return loop.evaluate(t, loader)
 
@@ -328,10 +331,12 @@ def test_cached_accumulation_equals_the_unaccumulated_global_batch_under_ddp_and
 
 @pytest.mark.slow
 def test_an_uneven_validation_split_ends_with_one_process_s_metrics(two_ranks):
-    """241 samples, batch 60: 3 batches on each rank; one process at batch 120 holds the same global batches (81, 80,
-    80 samples)."""
+    """241 samples, batch 60: 3 batches on each rank (2 rounds of 60 rows, then the leftover sample on both, counted
+    once, where gather_with_grad is the rows themselves); one process holding the same global batches (120, 120, 1)
+    reports the same. Broken on purpose: gather_with_grad gathering in the leftover batch too (a batch of 2 copies):
+    val_loss differs (5.4569 for 5.4524), as in the SimCLR example's run below."""
     assert two_ranks[0]["eval"] == two_ranks[1]["eval"]
-    one = _uneven_evaluation(0, 1, 120)
+    one = _uneven_evaluation(0, 1, 120, together=(2, 60))
     for key, value in one.items():
         assert two_ranks[0]["eval"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert one["val_top1"] > 0 and 0 < one["val_probe_acc"] <= 1
@@ -480,7 +485,7 @@ spec.loader.exec_module(example)
 
 
 class OddSimCLR(example.SimCLR):
-    '''The example with 241 validation samples: 121 and 120 on 2 ranks.'''
+    '''The example with 241 validation samples: 120 on each of 2 ranks, 1 left over.'''
 
     def datasets(self):
         train, val = super().datasets()
@@ -490,9 +495,9 @@ class OddSimCLR(example.SimCLR):
 
 @pytest.mark.slow
 def test_simclr_example_trains_on_2_ranks_with_lars_cached_accumulation_and_an_uneven_validation_split(tmp_path):
-    """Two ranks, LARS with norms and biases excluded, --accum-steps 2 (cached), an uneven validation split (121 and
-    120 samples): the run ends (no gather waits for a batch that never comes), and its evaluation equals one
-    process's evaluation of the saved weights at the same global batch."""
+    """Two ranks, LARS with norms and biases excluded, --accum-steps 2 (cached), a validation set the ranks do not
+    divide (241 samples: 120 rows on each rank, 1 leftover): the run ends, and its evaluation equals one process's
+    evaluation of the saved weights at the same global batches."""
     task_file = tmp_path / "odd_simclr.py"
     task_file.write_text(ODD_TASK.format(path=str(REPO / "examples" / "contrastive.py")))
     args = ["--task", f"{task_file}:OddSimCLR", "--optimizer", "lars", "--bn-bias-separately", "--base-lr", "1.0",
@@ -512,7 +517,7 @@ def test_simclr_example_trains_on_2_ranks_with_lars_cached_accumulation_and_an_u
     model.load_state_dict(torch.load(tmp_path / "simclr" / "last.pt", weights_only=True)["model"])
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
     t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
-    one = loop.evaluate(t, loaders.val_loader(val, 120, 0, 1, tiny.CPU))
+    one = loop.evaluate(t, tiny.together_loader(val, 2, 60))  # global batches of 120, 120 and the leftover 1
     for key in ("val_loss", "val_top1", "val_probe_acc"):
         assert float(row[key]) == pytest.approx(one[key], rel=1e-5), key
 
@@ -524,3 +529,64 @@ def test_importing_the_package_still_imports_no_torch_and_exports_the_rank_helpe
     code = "import sys, ddp_tricks; print('torch' in sys.modules, 'gather_with_grad' in ddp_tricks.__all__)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False True", result.stderr
+
+
+TORCH_GATHER_TASK = """
+import importlib.util
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_tricks import InMemoryDataset
+
+spec = importlib.util.spec_from_file_location("contrastive_example", {path!r})
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+
+
+class TorchGatherSimCLR(example.SimCLR):
+    '''The example's NT-Xent with torch.distributed.nn.functional.all_gather as most SimCLR code calls it (no counts,
+    no padding), and 361 validation samples (the 359 validation digits and 2 training ones).'''
+
+    def datasets(self):
+        train, val = super().datasets()
+        return train, InMemoryDataset(torch.cat([val.inputs, train.inputs[:2]]), torch.cat([val.targets,
+                                      train.targets[:2]]))
+
+    def loss(self, outputs, targets):
+        z = F.normalize(outputs["z"], dim=-1)
+        if dist.is_initialized():
+            z = torch.cat(torch.distributed.nn.functional.all_gather(z))
+        return example.nt_xent(z[:, 0], z[:, 1], self.args.temperature)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_simclr_with_torch_s_unpadded_all_gather_trains_on_2_ranks_with_361_validation_samples(tmp_path):
+    """#48's case: 361 validation samples on 2 ranks at --val-batch-size 60 (3 rounds of 60 rows each, then 1
+    leftover on both), a loss that gathers with torch's equal-size all_gather (training's steps equal: --drop-last).
+    The run ends; its per-sample metric (the linear probe's accuracy) and its top-1 (gathered by gather_with_grad)
+    equal one process's evaluation of the saved weights at the same global batches. Broken on purpose: the split
+    before #48 (181 and 180 rows): the first evaluation ends the job with its "collective mismatch" line."""
+    task_file = tmp_path / "torch_gather.py"
+    task_file.write_text(TORCH_GATHER_TASK.format(path=str(REPO / "examples" / "contrastive.py")))
+    args = ["--task", f"{task_file}:TorchGatherSimCLR", "--views", "fixed", "-b", "32", "-e", "1", "--drop-last",
+            "--val-batch-size", "60", "--runs-dir", str(tmp_path), "--name", "gathered", "--no-progress"]  # fmt: skip
+    result = launch(args, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "gathered" / "metrics.csv") as f:
+        row = list(csv.DictReader(f))[-1]
+    flags, task_class = cli.parse(["--task", f"{task_file}:TorchGatherSimCLR", "--views", "fixed"])
+    task = task_class(flags)
+    _, val = task.datasets()
+    assert len(val) == 361
+    model = task.model()
+    model.load_state_dict(torch.load(tmp_path / "gathered" / "last.pt", weights_only=True)["model"])
+    t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    one = loop.evaluate(t, tiny.together_loader(val, 2, 60))  # global batches of 120, 120, 120 and the leftover 1
+    for key in ("val_top1", "val_probe_acc"):
+        assert float(row[key]) == pytest.approx(one[key], rel=1e-5), key
+    assert 0 < one["val_probe_acc"] <= 1

@@ -20,7 +20,7 @@ from ddp_tricks.training.state import Training
 
 CPU = torch.device("cpu")
 RATINGS = ["--task", "examples/recommender.py:Ratings"]
-N_VAL, VAL_BATCH = 577, 16  # 2 ranks: 289 and 288 ratings, 19 and 18 batches; 3 ranks: 13, 12 and 12 batches
+N_VAL, VAL_BATCH = 577, 16  # 2 ranks: 18 rounds of 16 rows, 1 leftover (19 batches); 3 ranks: 12 rounds, 1 leftover
 
 
 def _ratings_model():
@@ -197,3 +197,27 @@ def test_tasks_of_other_families_evaluate_exactly_on_2_ranks_under_ddp_and_fsdp(
             reported = list(csv.DictReader(f))[-1]
         for column, value in _user_task_metrics(name, weights).items():
             assert float(reported[column]) == pytest.approx(value, rel=1e-6, abs=1e-9), (strategy, column)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_five_validation_digits_at_batch_1_report_one_process_s_recall_with_each_row_once(world_size, tmp_path):
+    """tests/user_tasks.py:FewRetrieval (score(), gathered rows) with 5 validation digits at --val-batch-size 1: on 4
+    ranks the split before #48 gave one rank none of them (torch.cat of its no rows failed; now every rank holds one,
+    and the leftover is evaluated by all, its rows given by rank 0). Its run trains and reports the recall@1 that
+    scikit-learn finds over the 5 digits with the run's last weights, from 5 gathered rows. Broken on purpose: under
+    the split before #48, a rank's empty batches adding no rows, the 4-rank run ended in torch.cat's "expected a
+    non-empty list of Tensors"; the leftover's rows given by every rank (`counts_alike = True`), 6, 6 and 8 rows."""
+    from multiproc import launch
+
+    flags = ["--task", "tests/user_tasks.py:FewRetrieval", "-b", "8", "-e", "2", "--val-batch-size", "1",
+             "--no-progress", "--runs-dir", str(tmp_path), "-n", "few"]  # fmt: skip
+    result = launch(flags, nproc=world_size)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = torch.load(tmp_path / "few" / "last.pt", weights_only=True)["model"]
+    with open(tmp_path / "few" / "metrics.csv", newline="") as f:
+        reported = list(csv.DictReader(f))
+    assert len(reported) == 2 and all(float(r["val_rows"]) == 5 for r in reported)
+    expected = _user_task_metrics("FewRetrieval", weights)["val_recall_at_1"]
+    assert float(reported[-1]["val_recall_at_1"]) == pytest.approx(expected, abs=1e-12)

@@ -34,6 +34,20 @@ def training(model, optimizer, schedule=None, amp="off", **options) -> Training:
     return Training(model, optimizer, schedule, Classify(), ["acc"], Precision(amp, CPU), CPU, **options)
 
 
+def together_loader(dataset, world_size: int, batch_size: int):
+    """One process's validation loader of the global batches that `world_size` ranks evaluate together at
+    `batch_size` (each round's rows of every rank, then the leftovers once): the reference for a loss or metric over
+    the global batch. `dataset` in memory (its batches as __getitems__ builds them)."""
+    from torch.utils.data import DataLoader
+
+    batches = data.global_batches(len(dataset), world_size, batch_size)
+    return DataLoader(dataset, batch_sampler=batches, collate_fn=_as_is)
+
+
+def _as_is(batch):
+    return batch
+
+
 def loader_for(dataset, steps, rank=0, first_step=0):
     """The training loader of run.py, pointed at `steps` (a plan's epoch)."""
     loader = data.train_loader(dataset, rank, CPU, seed=0)

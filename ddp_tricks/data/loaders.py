@@ -1,5 +1,5 @@
 """Samplers and loaders: each epoch's training micro-batches as the plan lists them (a batch sampler), the exact
-evaluation split (every validation sample on exactly one rank, none padded in twice), and their seeds.
+evaluation split (equal rows on every rank in every batch, each validation sample counted once), and their seeds.
 """
 
 from __future__ import annotations
@@ -19,28 +19,46 @@ def _batch_as_is(batch):
     return batch
 
 
-def validation_rounds(length: int, world_size: int, batch_size: int) -> list[range]:
-    """The evaluation's global batches, in order: K = ceil(length / (world_size x batch_size)) ranges of the set, as
-    equal as possible (the longer first). They depend on the global batch world_size x batch_size alone, so one
-    process at that batch size holds the same global batches."""
-    rounds = -(-length // (world_size * batch_size))
-    size, longer = divmod(length, rounds)
-    starts = [k * size + min(k, longer) for k in range(rounds + 1)]
-    return [range(starts[k], starts[k + 1]) for k in range(rounds)]
+def validation_rounds(length: int, world_size: int, batch_size: int) -> tuple[list[range], list[range]]:
+    """The evaluation's global batches, in order: (rounds, leftovers). The first world_size x (length // world_size)
+    samples make K = ceil((length // world_size) / batch_size) rounds, each of world_size x r_k samples (r_k as equal
+    as possible, the longer first), so that every rank holds r_k rows of each; the last length mod world_size
+    samples (fewer than the ranks) are the leftovers, in batches of at most batch_size, which every rank evaluates
+    alike. One process: every sample in rounds, K = ceil(length / batch_size)."""
+    per_rank = length // world_size
+    rounds = -(-per_rank // batch_size)
+    size, longer = divmod(per_rank, rounds)
+    starts = [world_size * (k * size + min(k, longer)) for k in range(rounds + 1)]
+    left = range(starts[-1], length)
+    leftovers = [left[i : i + batch_size] for i in range(0, len(left), batch_size)]
+    return [range(starts[k], starts[k + 1]) for k in range(rounds)], leftovers
+
+
+def global_batches(length: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """The samples that `world_size` ranks evaluate together in each batch, the leftovers once: what one process
+    evaluates to hold the same global batches (the reference for a loss or a metric over the global batch)."""
+    rounds, leftovers = validation_rounds(length, world_size, batch_size)
+    return [list(r) for r in rounds + leftovers]
 
 
 class EvalSampler(Sampler[list[int]]):
-    """A batch sampler of this rank's validation batches: each global batch (validation_rounds) dealt out over the
-    ranks, its sample i to rank i mod world_size. Every rank thus holds the same number of batches (`rounds`), each
-    sample is on exactly one rank (no padding, none dropped), a batch's rows differ by at most one between the ranks
-    (the lower ranks hold the extra ones), and a rank's batch is empty only where its global batch has fewer samples
-    than there are ranks (a set smaller than rounds x world_size). Empty batches come last: the loader yields the
-    non-empty ones and the evaluation runs the rest (`rounds - len(sampler)`) as batches of no sample."""
+    """A batch sampler of this rank's validation batches: each round (validation_rounds) dealt out over the ranks,
+    its sample i to rank i mod world_size, so in every batch every rank holds the same number of rows (an equal-size
+    collective, torch.distributed.nn.functional.all_gather, needs nothing more); then the leftovers (fewer samples
+    than ranks), the same batches on every rank (`alike`: how many), counted by rank 0 alone. Every rank thus runs
+    the same number of batches (`rounds`), none empty, and each sample counts exactly once (none padded in, none
+    dropped)."""
 
     def __init__(self, length: int, world_size: int, rank: int, batch_size: int):
-        global_batches = validation_rounds(length, world_size, batch_size)
-        self.rounds = len(global_batches)
-        self.batches = [list(r[rank::world_size]) for r in global_batches if len(r) > rank]
+        rounds, leftovers = validation_rounds(length, world_size, batch_size)
+        self.batches = [list(r[rank::world_size]) for r in rounds] + [list(r) for r in leftovers]
+        self.alike = len(leftovers)
+        self.counts_alike = rank == 0
+        self.rounds = len(self.batches)
+
+    def counted(self) -> list[bool]:
+        """For each batch, whether this rank counts it: its own rows always, the leftovers on rank 0 alone."""
+        return [k < len(self.batches) - self.alike or self.counts_alike for k in range(len(self.batches))]
 
     def __iter__(self):
         return iter(self.batches)
@@ -140,9 +158,9 @@ def val_loader(
     prefetch_factor: int = 2,
     collate: Callable | None = None,
 ) -> DataLoader:
-    """Each validation sample on exactly one rank (no padding), so reduced sums are the exact totals, and the same
-    number of batches on every rank (EvalSampler: `loader.batch_sampler.rounds`, its empty ones not yielded), so a
-    collective that the task's loss() or metric_sums() calls once per batch meets every rank's."""
+    """Each validation sample counted on exactly one rank (no padding), so reduced sums are the exact totals, and
+    the same number of batches on every rank, of the same number of rows (EvalSampler), so a collective that the
+    task's loss() or metric_sums() calls once per batch meets every rank's, with the same shapes."""
     sampler = EvalSampler(len(dataset), world_size, rank, batch_size)
     options = _options(dataset, workers, prefetch_factor, device, seed, collate)
     return DataLoader(dataset, batch_sampler=sampler, **options)

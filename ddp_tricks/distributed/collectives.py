@@ -15,6 +15,7 @@ from ddp_tricks.errors import UserError
 
 _gathers = 0  # calls of gather_with_grad in this process: how the start-up check learns that a loss uses the ranks
 _uneven = False  # inside uneven_rows(): the ranks' tensors may differ in their number of rows
+_alike = False  # inside alike_rows(): every rank holds the same rows
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -139,8 +140,8 @@ def gather_calls() -> int:
 @contextlib.contextmanager
 def uneven_rows():
     """Within it, gather_with_grad first exchanges every rank's number of rows (one small all-gather and one host
-    read per call): the evaluation's last batches, and an epoch's short last step in training (the plan marks it,
-    Step.uneven), differ between ranks. Every other training step gives every rank as many rows, so its gathers
+    read per call): an epoch's short last step in training (the plan marks it, Step.uneven) differs between
+    ranks. Every other training step gives every rank as many rows, so its gathers
     skip that exchange and never wait on the host."""
     global _uneven
     before, _uneven = _uneven, True
@@ -148,6 +149,18 @@ def uneven_rows():
         yield
     finally:
         _uneven = before
+
+
+@contextlib.contextmanager
+def alike_rows():
+    """Within it, every rank holds the same rows (the evaluation's leftover samples, evaluated alike on every rank
+    and counted once): gather_with_grad is then the tensor itself, the global batch one process would hold."""
+    global _alike
+    before, _alike = _alike, True
+    try:
+        yield
+    finally:
+        _alike = before
 
 
 def gather_with_grad(tensor: torch.Tensor, return_offset: bool = False):
@@ -160,13 +173,14 @@ def gather_with_grad(tensor: torch.Tensor, return_offset: bool = False):
     mean over the ranks is that loss: each rank's share of the anchors) then gets exactly the gradient one process
     gets from the whole batch; no scaling by the world size is needed or wanted.
 
-    Without a process group (one process, the start-up check) it is the tensor itself. With `return_offset`, returns
-    (gathered, offset): this rank's rows are gathered[offset : offset + len(tensor)]. The trailing dimensions must
-    agree on every rank; the rows may differ only inside uneven_rows() (the template's evaluation, and the training
-    steps whose micro-batches differ in length between the ranks: an epoch's short last step)."""
+    Without a process group (one process, the start-up check), or inside alike_rows() (evaluation's leftovers), it is
+    the tensor itself. With `return_offset`, returns (gathered, offset): this rank's rows are gathered[offset :
+    offset + len(tensor)]. The trailing dimensions must agree on every rank; the rows may differ only inside
+    uneven_rows() (the training steps whose micro-batches differ in length between the ranks: an epoch's short last
+    step; the evaluation gives every rank the same rows)."""
     global _gathers
     _gathers += 1
-    if not _distributed():
+    if not _distributed() or _alike:
         return (tensor, 0) if return_offset else tensor
     if tensor.dim() == 0:
         raise ValueError("gather_with_grad gathers rows: give it a tensor of at least one dimension")

@@ -17,9 +17,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ddp_tricks.data.loaders import batch_of, batch_sizes, seed_epoch
+from ddp_tricks.data.loaders import batch_sizes, seed_epoch
 from ddp_tricks.distributed import heartbeat
 from ddp_tricks.distributed.collectives import (
+    alike_rows,
     all_reduce_sum,
     any_rank,
     broadcast_buffers,
@@ -27,10 +28,9 @@ from ddp_tricks.distributed.collectives import (
     uneven_rows,
 )
 from ddp_tricks.distributed.wrap import accumulating, name_unused_parameters
-from ddp_tricks.errors import UserError
 from ddp_tricks.plan import Step
 from ddp_tricks.training import noise, precise_bn
-from ddp_tricks.training.batches import detached, float_outputs, no_rows, to_device
+from ddp_tricks.training.batches import detached, float_outputs, to_device
 from ddp_tricks.training.metric_states import report
 from ddp_tricks.training.state import Training, restore_rng
 from ddp_tricks.training.stepping import training_step
@@ -324,12 +324,13 @@ def evaluate(t: Training, loader) -> dict[str, float]:
     at the end (an AUC's scores, a detector's detections; uneven counts padded for the gather and cut back). A task
     with score() is evaluated by it alone, on the model's eval-mode outputs: no loss, no `val_loss`.
 
-    Every rank runs the same number of batches, by construction (loaders.EvalSampler: each global batch dealt out
-    over the ranks, rows differing by at most one), so whatever the task's loss(), metric_sums() or score() calls
-    across ranks once per batch (an all_gather, an all_reduce) meets every rank's call, and a sharded model's
-    forwards gather alike; no count is exchanged. A rank that holds no sample of a round (a set smaller than rounds x
-    ranks) runs a batch of no sample through the model and the task's evaluation, uncounted. Uses the unwrapped
-    model: a DDP forward would add collectives of its own."""
+    Every rank runs the same batches of the same number of rows, by construction (loaders.EvalSampler: each round
+    dealt out over the ranks in equal rows, then the few leftover samples, fewer than the ranks, evaluated alike on
+    every rank and counted by rank 0 alone), so whatever the task's loss(), metric_sums() or score() calls across
+    ranks once per batch (an all_gather of equal shapes, an all_reduce) meets every rank's call with the same shapes,
+    and a sharded model's forwards gather alike; no count is exchanged. In a leftover batch gather_with_grad is the
+    rows themselves (every rank holds them all). Uses the unwrapped model: a DDP forward would add collectives of its
+    own."""
     heartbeat.phase("eval")
     model = t.raw_model
     broadcast_buffers(model)  # BatchNorm running stats drift apart per rank; evaluate rank 0's everywhere
@@ -338,37 +339,20 @@ def evaluate(t: Training, loader) -> dict[str, float]:
     layout = t.scoring or t.sums_layout
     sums = torch.zeros(layout.width + (t.scoring is None) + 1, dtype=torch.float64, device=t.device)
     rows = {name: [] for name in layout.gathered}
-    empty = getattr(loader.batch_sampler, "rounds", len(loader)) - len(loader)  # the same rounds on every rank
-    with uneven_rows() if t.global_loss else contextlib.nullcontext():
-        for samples, (inputs, targets) in zip(batch_sizes(loader), loader):  # samples: the batch's dataset items
-            inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
+    sampler = loader.batch_sampler
+    counted = sampler.counted() if hasattr(sampler, "counted") else [True] * len(loader)
+    alike = len(loader) - getattr(sampler, "alike", 0)  # the first leftover batch
+    for k, (samples, (inputs, targets)) in enumerate(zip(batch_sizes(loader), loader)):  # samples: dataset items
+        inputs, targets = to_device(inputs, t.device, t.channels_last), to_device(targets, t.device)
+        with alike_rows() if k >= alike else contextlib.nullcontext():
             units = samples if units_of is None else units_tensor(units_of(inputs, targets), t.device)
-            sums[:-1] += validation_states(t, model, inputs, targets, units, rows)
+            states = validation_states(t, model, inputs, targets, units, rows if counted[k] else None)
+        if counted[k]:  # a leftover batch on another rank than 0: the same evaluation, its states discarded
+            sums[:-1] += states
             sums[-1] += units
-        for _ in range(empty):  # the same forward and evaluation as a counted batch; discarded
-            run_empty_batch(t, model, loader)
     *total, units = all_reduce_sum(sums).tolist()
     gathered = {name: gather_rows(torch.cat(parts)) for name, parts in rows.items()}  # rank order: any order
     return report(t.task, layout, "val", total, units, gathered, loss=t.scoring is None)
-
-
-def run_empty_batch(t: Training, model: nn.Module, loader) -> None:
-    """A validation batch of no sample (the loader's first item, collated, cut to 0 rows) through the model and the
-    task's evaluation, its states discarded: a rank's share of a round in which it holds no sample. A model or a task
-    that fails on it is one line naming the split and the fix."""
-    inputs, targets = (
-        to_device(part, t.device) for part in no_rows(batch_of(loader.dataset, [0], loader.collate_fn), 1)
-    )
-    try:
-        validation_states(t, model, inputs, targets, 0, None)
-    except Exception as error:
-        rounds, ranks = loader.batch_sampler.rounds, t.world_size
-        raise UserError(
-            f"the validation set's {len(loader.dataset)} samples make {rounds} batches on each of {ranks} ranks, so a "
-            f"rank runs a batch of 0 samples, and the model or the task's evaluation fails on it "
-            f"({type(error).__name__}: {error}): make them take an empty batch, or use a larger --val-batch-size",
-            rank_specific=True,
-        ) from error
 
 
 def validation_states(t: Training, model: nn.Module, inputs, targets, units, rows: dict | None) -> torch.Tensor:

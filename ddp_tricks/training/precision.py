@@ -40,10 +40,20 @@ class Precision:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def loss_scale(self) -> torch.Tensor | float:
-        """What the loss was multiplied by before its backward: fp16's scale (a device tensor: no sync), or 1."""
-        if self.scaler is not None and self.scaler._scale is not None:
-            return self.scaler._scale.double()
-        return 1.0
+        """What the loss was multiplied by before its backward: fp16's scale (a device tensor: no sync), or 1. The
+        same on every rank, also on one that ran no micro-batch yet (uneven shares, a traced step)."""
+        if self.scaler is None:
+            return 1.0
+        self._scale_ready()
+        return self.scaler._scale.double()
+
+    def _scale_ready(self) -> None:
+        """GradScaler makes its scale when it first scales a loss: on a rank with no micro-batch in a step (uneven
+        shares, a traced step) it would not exist at the step, which then fails ("_scale is None"), and the noise
+        scale would divide by 1. Scaling a zero makes it (from the initial or the resumed scale), as the ranks that
+        ran a micro-batch made theirs; it then follows the same overflows, read from the reduced gradients."""
+        if self.scaler._scale is None:
+            self.scaler.scale(torch.zeros((), device=self.device))
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:
@@ -57,6 +67,8 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer, params, clip_grad_norm: float = 0.0, lr_factor=1.0) -> bool:
         """Clip (on true gradients), then one update at the groups' LR x `lr_factor`, after which the groups get
         their LR back (the schedule keeps seeing its own). Returns False when the scaler skipped the step."""
+        if self.scaler is not None:
+            self._scale_ready()
         if self.scaler is not None and clip_grad_norm > 0:
             self.scaler.unscale_(optimizer)
         if clip_grad_norm > 0:
