@@ -60,7 +60,7 @@ def reference_input(path, box, flip: bool, size: int = SIZE) -> torch.Tensor:
 def model_input(dataset: DecodedImages, indices) -> torch.Tensor:
     """The batch of these samples as the model sees it: collated by the training loader, finished by its Feed."""
     loader = DataLoader(dataset, batch_sampler=[list(indices)], collate_fn=dataset.collate)
-    feed = Feed(loader, torch.device("cpu"), functools.partial(dataset.on_device, channels_last=True))
+    feed = Feed(loader, torch.device("cpu"), functools.partial(dataset.finish, channels_last=True))
     (inputs, _), *rest = list(feed)
     assert rest == []
     return inputs
@@ -178,7 +178,7 @@ def test_a_large_image_is_decoded_reduced_where_the_crop_allows_and_stays_close(
 def test_the_feed_finishes_batches_as_a_batch_made_outside_the_loader_is(tmp_path):
     """The Feed's batches and a batch made outside the loader (loaders.batch_of: the task's checks, the evaluation's
     batch of no sample) are both finished: float, normalised, contiguous unless channels-last was asked. Broken on
-    purpose: batch_of without the dataset's on_device fails it."""
+    purpose: batch_of without the dataset's finish fails it."""
     write_folder(tmp_path / "train")
     write_folder(tmp_path / "val", seed=1)
     train, val = images.image_folders(str(tmp_path / "train"), str(tmp_path / "val"), SIZE)
@@ -207,9 +207,9 @@ def test_the_feed_on_a_gpu_equals_the_cpu_s_batches(tmp_path):
     stream may fail it (a race); reading `ahead` after staging the next fails it always."""
     train = DecodedImages(str(write_folder(tmp_path / "train", per_class=8)), SIZE, train=True, seed=5)
     batches = [list(range(k, k + 4)) for k in range(0, 16, 4)]
-    cpu = Feed(DataLoader(train, batch_sampler=batches, collate_fn=train.collate), torch.device("cpu"), train.on_device)
+    cpu = Feed(DataLoader(train, batch_sampler=batches, collate_fn=train.collate), torch.device("cpu"), train.finish)
     loader = DataLoader(train, batch_sampler=batches, collate_fn=train.collate, pin_memory=True, num_workers=2)
-    gpu = Feed(loader, torch.device("cuda"), train.on_device)
+    gpu = Feed(loader, torch.device("cuda"), train.finish)
     got = [(x.cpu(), y.cpu()) for x, y in gpu]
     assert len(got) == len(batches)
     for (x, y), (ex, ey) in zip(got, cpu):

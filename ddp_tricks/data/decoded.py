@@ -2,7 +2,7 @@
 the rest (PNG, CMYK, grayscale, whatever decode_jpeg refuses) and for a reduced decode (`draft()`, DCT-domain
 downscaling) where the crop is at least twice the output; cropped, resized (antialiased) and flipped on uint8;
 collated channels-last. The conversion to floating point and the normalisation happen once per batch, on the
-device (`on_device`, which data.feed.Feed applies after the copy): 4x fewer bytes cross shared memory, pinned
+device (`finish`, which data.feed.Feed applies to each batch): 4x fewer bytes cross shared memory, pinned
 memory and the host-to-device copy than float32, and the CPU does no per-pixel arithmetic.
 
 A training sample's crop and flip are drawn from a generator seeded by (seed, epoch, sample index) alone
@@ -129,7 +129,8 @@ def collate_channels_last(samples) -> tuple[torch.Tensor, torch.Tensor]:
 class DecodedImages(Dataset):
     """An ImageNet-style folder (one sub-folder per class) whose samples are (uint8 image, label): training
     samples with RandomResizedCrop and a horizontal flip drawn from `sample_rng` (train=True), validation
-    samples resized (the shorter side to size x 256 / 224) and centre-cropped. `on_device` finishes a batch."""
+    samples resized (the shorter side to size x 256 / 224) and centre-cropped. `finish` makes a batch the model's
+    input on the device."""
 
     def __init__(self, root: str, size: int, train: bool, draft: bool = True, seed: int = 0):
         from torchvision import datasets
@@ -143,11 +144,17 @@ class DecodedImages(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of the model's input images."""
+        return 3, self.size, self.size
+
     collate = staticmethod(collate_channels_last)
 
-    def on_device(self, images: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
-        """A batch of this dataset's images, on the device, as the model's float32 input."""
-        return on_device(images, torch.float32, channels_last)
+    def finish(self, images: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
+        """A uint8 batch of this dataset's images as the model's float32 input on `device` (the copy non-blocking:
+        from pinned memory it overlaps the compute)."""
+        return on_device(images.to(device, non_blocking=True), torch.float32, channels_last)
 
     def seed_augmentation(self, seed: int, epoch: int) -> None:
         """The epoch's augmentation: set before the epoch's iteration starts (loaders.seed_epoch)."""

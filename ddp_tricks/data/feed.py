@@ -1,9 +1,9 @@
-"""A loader whose batches arrive on the device, finished: the inputs copied (non-blocking, from pinned memory) and
-turned into the model's input there by the dataset's `on_device` (a uint8 image batch into normalised floating
-point, channels-last or not). On a GPU the next batch's copy and conversion run on a side stream while the
-current batch trains, as timm's PrefetchLoader does. Everything else (the batch sampler the loop points at each
-epoch's steps, the dataset, its collate_fn, the generator seed_epoch seeds) is the wrapped DataLoader's; a batch
-made outside the loader (loaders.batch_of) is finished there.
+"""A loader whose batches arrive on the device, finished: the dataset's `finish(inputs, device)` copies the inputs
+(non-blocking, from pinned memory) and turns them into the model's input there (a uint8 image batch into normalised
+floating point, channels-last or not; encoded JPEGs decoded on the GPU). On a GPU the next batch's copy and
+conversion run on a side stream while the current batch trains, as timm's PrefetchLoader does. Everything else (the
+batch sampler the loop points at each epoch's steps, the dataset, its collate_fn, the generator seed_epoch seeds)
+is the wrapped DataLoader's; a batch made outside the loader (loaders.batch_of) is finished there.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader
 
 
 class Feed:
-    """`loader`'s (inputs, targets) batches with the inputs finished on `device` by `finish(inputs)`; `waited`
+    """`loader`'s (inputs, targets) batches with the inputs finished on `device` by `finish(inputs, device)`; `waited`
     counts the seconds spent waiting on the loader (its workers) for a batch."""
 
-    def __init__(self, loader: DataLoader, device: torch.device, finish: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, loader: DataLoader, device: torch.device, finish: Callable[..., torch.Tensor]):
         self.loader, self.device, self.finish = loader, device, finish
         self.waited = 0.0
 
@@ -41,7 +41,7 @@ class Feed:
         if self.device.type != "cuda":
             while (batch := self._next_or_none(batches)) is not None:
                 inputs, targets = batch
-                yield self.finish(inputs.to(self.device)), targets.to(self.device)
+                yield self.finish(inputs, self.device), targets.to(self.device)
             return
         yield from self._prefetched(batches)
 
@@ -62,7 +62,7 @@ class Feed:
             inputs, targets = batch
             side.wait_stream(compute)  # the side stream must not run ahead of memory the compute stream frees
             with torch.cuda.stream(side):
-                inputs = self.finish(inputs.to(self.device, non_blocking=True))
+                inputs = self.finish(inputs, self.device)
                 targets = targets.to(self.device, non_blocking=True)
             return inputs, targets
 

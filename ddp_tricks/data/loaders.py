@@ -103,12 +103,12 @@ def _collate_fn(dataset: Dataset, collate: Callable | None) -> Callable:
 
 def batch_of(dataset: Dataset, indices: list[int], collate: Callable | None = None):
     """The batch a loader of this module builds from these samples (the same fetch and collate), as the model sees
-    it: finished by the dataset's `on_device` where it has one (where it is: on the CPU)."""
+    it: finished by the dataset's `finish` where it has one (on the CPU)."""
     getitems = getattr(dataset, "__getitems__", None)
     samples = getitems(indices) if getitems else [dataset[i] for i in indices]
     batch = _collate_fn(dataset, collate)(samples)
-    finish = getattr(dataset, "on_device", None)  # what the Feed does to the loader's batches, done here
-    return batch if finish is None else (finish(batch[0]), batch[1])
+    finish = getattr(dataset, "finish", None)  # what the Feed does to the loader's batches, done here
+    return batch if finish is None else (finish(batch[0], torch.device("cpu")), batch[1])
 
 
 def _options(dataset: Dataset, workers: int, prefetch_factor: int, device: torch.device, seed: int, collate) -> dict:
@@ -177,7 +177,7 @@ def both(
     channels_last: bool = False,
 ) -> tuple[DataLoader, DataLoader]:
     """The run's training and validation loaders, for this rank of `dist` (launch.Dist: rank, world size, device);
-    a dataset that finishes its batches on the device (`on_device`: uint8 images) gets a Feed, which does it."""
+    a dataset that finishes its batches on the device (`finish`: uint8 images) gets a Feed, which does it."""
     train = train_loader(train_set, dist.rank, dist.device, seed, workers, prefetch_factor, collate)
     val = val_loader(
         val_set, val_batch_size, dist.rank, dist.world_size, dist.device, seed, workers, prefetch_factor, collate
@@ -186,8 +186,8 @@ def both(
 
 
 def fed(loader: DataLoader, device: torch.device, channels_last: bool = False):
-    """The loader as a Feed where its dataset finishes batches on the device (`on_device`), else as it is."""
-    finish = getattr(loader.dataset, "on_device", None)
+    """The loader as a Feed where its dataset finishes batches on the device (`finish`), else as it is."""
+    finish = getattr(loader.dataset, "finish", None)
     if finish is None:
         return loader
     from ddp_tricks.data.feed import Feed
