@@ -109,3 +109,22 @@ def test_the_loaders_finish_gpu_decode_s_batches(tmp_path):
     dataset = EncodedImages(str(write_folder(tmp_path / "train")), SIZE, train=True)
     inputs, targets = loaders.batch_of(dataset, [0, 1])
     assert inputs.shape == (2, 3, SIZE, SIZE) and inputs.dtype == torch.float32 and targets.tolist() == [0, 0]
+
+
+IMAGENET_TRAIN = 1_281_167
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batch", [512, 1024, 4096, 8192, 16384, 32768])
+def test_the_imagenet_recipes_take_no_short_last_step(batch, tmp_path):
+    """At ImageNet's 1,281,167 training images every step of a recipe's epoch holds the whole global batch (the
+    short last step, 3,215 samples at 32,768, is dropped), and the recipe names its data backend. Broken on
+    purpose: a recipe without drop-last fails it."""
+    from ddp_tricks import cli
+    from ddp_tricks.plan import epoch_steps
+
+    recipe = f"recipes/imagenet-resnet50-lars-b{batch}.toml"
+    flags, _ = cli.parse(["--config", recipe, "--train-dir", str(tmp_path), "--val-dir", str(tmp_path)])
+    assert flags.data_backend == "torchvision"
+    steps = epoch_steps(IMAGENET_TRAIN, batch, flags.batch_size, flags.drop_last)
+    assert steps == IMAGENET_TRAIN // batch  # whole steps only: no short one

@@ -281,6 +281,7 @@ def test_a_jpeg_folder_run_preempted_on_2_ranks_and_resumed_on_1_ends_as_the_uni
              "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
     whole = launch([*flags, "-n", "whole"], nproc=2)
     assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "input: image folder of 48 images at 16 px, data backend torchvision" in whole.stdout + whole.stderr
     monkeypatch.setenv("PREEMPT_AFTER", "2")
     stopped = launch([*flags, "-n", "moved"], nproc=2)
     monkeypatch.delenv("PREEMPT_AFTER")

@@ -63,11 +63,11 @@ def crop_box(rng: random.Random, width: int, height: int) -> tuple[int, int, int
 
 
 def _pil_to_tensor(image) -> torch.Tensor:
-    """A PIL image as a (3, H, W) uint8 tensor over its (H, W, 3) pixels: channels-last strides, no copy."""
+    """A PIL image as a (3, H, W) uint8 tensor over its (H, W, 3) pixels (copied where numpy's view is read-only)."""
     import numpy as np
 
     pixels = np.asarray(image.convert("RGB"))
-    return torch.from_numpy(pixels.copy() if not pixels.flags.writeable else pixels).permute(2, 0, 1)
+    return torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy()).permute(2, 0, 1)
 
 
 def read_image(path: str, choose, output: tuple[int, int], draft: bool = True):
@@ -150,6 +150,11 @@ class DecodedImages(Dataset):
         return 3, self.size, self.size
 
     collate = staticmethod(collate_channels_last)
+    backend = "data backend torchvision: decode_jpeg (PIL for the rest) in the loader's workers"
+
+    def describe(self) -> str:
+        """The input pipeline in a line, for the run's log."""
+        return f"image folder of {len(self)} images at {self.size} px, {self.backend}, uint8, normalised on the device"
 
     def finish(self, images: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
         """A uint8 batch of this dataset's images as the model's float32 input on `device` (the copy non-blocking:

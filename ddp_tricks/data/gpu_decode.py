@@ -20,6 +20,8 @@ class EncodedImages(DecodedImages):
     """DecodedImages whose samples are (the file's bytes or PIL's pixels, the crop box, the flip), finished into the
     model's input batch by `finish` on the device given (decode, crop, resize, flip, normalise)."""
 
+    backend = "data backend gpu-decode: the batch decoded on the device by decode_jpeg"
+
     def __getitem__(self, index: int):
         from PIL import Image
 

@@ -5,6 +5,7 @@ evaluation split (every validation sample on exactly one rank, none padded in tw
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -182,6 +183,9 @@ def both(
     val = val_loader(
         val_set, val_batch_size, dist.rank, dist.world_size, dist.device, seed, workers, prefetch_factor, collate
     )
+    describe = getattr(train_set, "describe", None)
+    if describe is not None:  # the run's log says where its input is decoded (rank 0's log: the others are quiet)
+        logging.getLogger("ddp_tricks").info("input: %s; %d loader worker(s) per rank", describe(), workers)
     return fed(train, dist.device, channels_last), fed(val, dist.device, channels_last)
 
 
