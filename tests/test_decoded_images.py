@@ -140,7 +140,8 @@ def test_png_grayscale_and_cmyk_images_are_read_by_pil_as_rgb(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_corrupt_image_is_one_line_naming_it(tmp_path):
-    """Broken on purpose: letting PIL's error through fails it (no UserError)."""
+    """In the process and from a worker, through the Feed. Broken on purpose: letting PIL's error through fails it (no
+    UserError); so does the Feed passing the worker's UserError on as DataLoader wraps it (its traceback inside)."""
     write_folder(tmp_path / "train")
     broken = tmp_path / "train" / "cat" / "broken.jpg"
     broken.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
@@ -149,6 +150,11 @@ def test_a_corrupt_image_is_one_line_naming_it(tmp_path):
     with pytest.raises(UserError) as error:
         train[index]
     assert str(broken) in str(error.value) and "\n" not in str(error.value)
+    loader = DataLoader(train, batch_sampler=[[index]], collate_fn=train.collate, num_workers=1)
+    with pytest.raises(UserError) as error:  # from a worker process, through the Feed
+        list(Feed(loader, torch.device("cpu"), train.finish))
+    assert str(error.value).startswith("cannot read the image") and str(broken) in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.timeout(60)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader
 
+from ddp_tricks.errors import UserError
+
 
 class Feed:
     """`loader`'s (inputs, targets) batches with the inputs finished on `device` by `finish(inputs, device)`; `waited`
@@ -33,6 +35,9 @@ class Feed:
         start = time.perf_counter()
         try:
             return next(batches)
+        except UserError as error:  # a worker's: DataLoader re-raises it with the worker's traceback in its message
+            line = str(error).strip().splitlines()[-1]
+            raise UserError(line.removeprefix(f"{UserError.__module__}.UserError: ")) from None
         finally:
             self.waited += time.perf_counter() - start
 
