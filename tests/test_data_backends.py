@@ -90,15 +90,18 @@ def test_gpu_decode_on_the_gpu_is_close_to_the_workers_decode(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(NO_CUDA, reason="no CUDA device visible")
 @pytest.mark.timeout(300)
-def test_a_gpu_decode_run_trains_and_evaluates(tmp_path):
-    """run.py --data-backend gpu-decode on one GPU: its Feed decodes each batch on the device; the run ends."""
+@pytest.mark.parametrize("backend", ["torchvision", "gpu-decode"])
+def test_a_run_on_a_gpu_trains_and_evaluates(tmp_path, backend):
+    """run.py on one GPU with each backend (the Feed's side stream; gpu-decode decodes each batch on the device), with
+    --channels-last: the run ends."""
     from multiproc import launch
 
     write_folder(tmp_path / "t", per_class=8)
     write_folder(tmp_path / "v", seed=1)
     result = launch(["--dataset", "imagefolder", "--train-dir", str(tmp_path / "t"), "--val-dir", str(tmp_path / "v"),
-                     "--image-size", "32", "--data-backend", "gpu-decode", "--workers", "2", "--epochs", "2",
-                     "--batch-size", "4", "--no-progress", "--runs-dir", str(tmp_path)], nproc=None)  # fmt: skip
+                     "--image-size", "32", "--data-backend", backend, "--workers", "2", "--epochs", "2",
+                     "--channels-last", "--batch-size", "4", "--no-progress", "--runs-dir", str(tmp_path)],
+                    nproc=None)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "epoch 2:" in result.stdout + result.stderr
 
