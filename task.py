@@ -50,6 +50,7 @@ torchvision) sit inside the methods so that `run.py --help` answers at once. doc
 from __future__ import annotations
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "imagefolder", "mnist-idx")
+BACKENDS = ("torchvision", "gpu-decode", "dali")  # --dataset imagefolder's decoders (ddp_tricks/data/images.py)
 
 
 class Task:
@@ -73,6 +74,9 @@ class Task:
         g.add_argument("--image-size", type=int, default=None,
                        help="imagefolder: crop size (default 224); digits, mnist-idx, mnist, fashion-mnist: resize "
                             "every image to SIZE x SIZE once at load (default: as stored)")  # fmt: skip
+        g.add_argument("--data-backend", choices=BACKENDS, default="torchvision",
+                       help="imagefolder: where JPEGs are decoded: torchvision (CPU workers, uint8 batches), "
+                            "gpu-decode (decode_jpeg on the GPU), dali (NVIDIA DALI, an extra)")  # fmt: skip
         g.add_argument("--model", default="toy",
                        help="toy (a small CNN for any input size), toy3 (three blocks, learns more per step) "
                             "or a torchvision classifier name")  # fmt: skip
@@ -85,6 +89,8 @@ class Task:
 
         if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
             raise UserError("--dataset imagefolder needs --train-dir and --val-dir (one sub-folder per class)")
+        if args.data_backend != "torchvision" and args.dataset != "imagefolder":
+            raise UserError(f"--data-backend {args.data_backend} applies to --dataset imagefolder only; leave it out")
         if not 0.0 <= args.label_smoothing < 1.0:
             raise UserError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
         if args.image_size is not None and args.image_size < 1:
@@ -109,11 +115,12 @@ class Task:
         elif a.dataset == "cifar10":
             train, val = images.cifar10(a.data_root, a.download)
         else:
-            train, val = images.image_folders(a.train_dir, a.val_dir, a.image_size or 224)
+            train, val = images.image_folders(a.train_dir, a.val_dir, a.image_size or 224, backend=a.data_backend)
         if a.image_size and a.dataset in ("digits", "mnist-idx", "mnist", "fashion-mnist"):
             train, val = images.resized(train, a.image_size), images.resized(val, a.image_size)
-        self.in_channels = train[0][0].shape[0]
-        self._image_size = tuple(train[0][0].shape[1:])  # private: not a finding of task_info
+        shape = getattr(train, "image_shape", None) or tuple(train[0][0].shape)  # a folder's: what its batches hold
+        self.in_channels = shape[0]
+        self._image_size = tuple(shape[1:])  # private: not a finding of task_info
         self.num_classes = count_classes(train, val)
         return train, val
 

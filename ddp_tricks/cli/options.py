@@ -66,6 +66,7 @@ def loader_options(flags: argparse.Namespace) -> dict:
         "seed": flags.seed,
         "workers": flags.workers,
         "prefetch_factor": flags.prefetch_factor,
+        "channels_last": flags.channels_last,
     }
 
 

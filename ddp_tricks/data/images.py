@@ -125,25 +125,27 @@ def cifar10(root: str, download: bool) -> tuple[Dataset, Dataset]:
     return train, val
 
 
-def image_folders(train_dir: str, val_dir: str, size: int) -> tuple[Dataset, Dataset]:
-    """ImageNet-style folders (one sub-folder per class) with the usual random-resized-crop training."""
-    from torchvision import datasets, transforms
+def image_folders(
+    train_dir: str, val_dir: str, size: int, draft: bool = True, backend: str = "torchvision"
+) -> tuple[Dataset, Dataset]:
+    """ImageNet-style folders (one sub-folder per class) read as uint8 (data.decoded): the usual
+    random-resized-crop training, each sample's augmentation a function of (seed, epoch, index); the
+    normalisation happens on the device. `backend`: torchvision (decoded by the CPU workers), gpu-decode (decoded
+    on the GPU, data.gpu_decode), dali (refused here with the reason)."""
+    from ddp_tricks.data import gpu_decode
+    from ddp_tricks.data.decoded import DecodedImages
+
+    gpu_decode.check_backend(backend)
+    kind = gpu_decode.EncodedImages if backend == "gpu-decode" else DecodedImages
 
     for flag, path in (("--train-dir", train_dir), ("--val-dir", val_dir)):
         if not Path(path).is_dir():
             raise UserError(
                 f"{flag} {path!r} is not a folder: give an ImageNet-style folder with one sub-folder per class"
             )
-    normalise = transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-    augment = transforms.Compose(
-        [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalise]
-    )
-    plain = transforms.Compose(
-        [transforms.Resize(int(size * 256 / 224)), transforms.CenterCrop(size), transforms.ToTensor(), normalise]
-    )
     try:
-        train = datasets.ImageFolder(train_dir, transform=augment)
-        val = datasets.ImageFolder(val_dir, transform=plain)
+        train = kind(train_dir, size, train=True, draft=draft)
+        val = kind(val_dir, size, train=False, draft=draft)
     except (FileNotFoundError, OSError) as error:
         raise UserError(
             f"cannot read the image folders ({error}); each needs one sub-folder of images per class"

@@ -4,6 +4,8 @@ evaluation split (equal rows on every rank in every batch, each validation sampl
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -93,6 +95,9 @@ def seed_epoch(loader: DataLoader, epoch: int, seed: int, rank: int) -> None:
     epoch_seed = (seed * 1_000_003 + rank) * 1_009 + epoch
     loader.generator.manual_seed(epoch_seed)
     torch.manual_seed(epoch_seed)
+    seed_augmentation = getattr(loader.dataset, "seed_augmentation", None)
+    if seed_augmentation is not None:  # a dataset whose augmentation is a function of (seed, epoch, sample)
+        seed_augmentation(seed, epoch)
 
 
 def check_sizes(num_train: int, num_val: int, world_size: int) -> None:
@@ -106,17 +111,23 @@ def check_sizes(num_train: int, num_val: int, world_size: int) -> None:
 
 
 def _collate_fn(dataset: Dataset, collate: Callable | None) -> Callable:
-    """The task's collate(), else an in-memory dataset's batch as is (its __getitems__ built it), else torch's."""
+    """The task's collate(), else the dataset's own (`collate`), else an in-memory dataset's batch as is (its
+    __getitems__ built it), else torch's."""
     if collate is not None:
         return collate
+    if hasattr(dataset, "collate"):
+        return dataset.collate
     return _batch_as_is if isinstance(dataset, InMemoryDataset) else default_collate
 
 
 def batch_of(dataset: Dataset, indices: list[int], collate: Callable | None = None):
-    """The batch a loader of this module builds from these samples (the same fetch and collate)."""
+    """The batch a loader of this module builds from these samples (the same fetch and collate), as the model sees
+    it: finished by the dataset's `finish` where it has one (on the CPU)."""
     getitems = getattr(dataset, "__getitems__", None)
     samples = getitems(indices) if getitems else [dataset[i] for i in indices]
-    return _collate_fn(dataset, collate)(samples)
+    batch = _collate_fn(dataset, collate)(samples)
+    finish = getattr(dataset, "finish", None)  # what the Feed does to the loader's batches, done here
+    return batch if finish is None else (finish(batch[0], torch.device("cpu")), batch[1])
 
 
 def _options(dataset: Dataset, workers: int, prefetch_factor: int, device: torch.device, seed: int, collate) -> dict:
@@ -182,10 +193,25 @@ def both(
     seed: int,
     workers: int = 0,
     prefetch_factor: int = 2,
+    channels_last: bool = False,
 ) -> tuple[DataLoader, DataLoader]:
-    """The run's training and validation loaders, for this rank of `dist` (launch.Dist: rank, world size, device)."""
+    """The run's training and validation loaders, for this rank of `dist` (launch.Dist: rank, world size, device);
+    a dataset that finishes its batches on the device (`finish`: uint8 images) gets a Feed, which does it."""
     train = train_loader(train_set, dist.rank, dist.device, seed, workers, prefetch_factor, collate)
     val = val_loader(
         val_set, val_batch_size, dist.rank, dist.world_size, dist.device, seed, workers, prefetch_factor, collate
     )
-    return train, val
+    describe = getattr(train_set, "describe", None)
+    if describe is not None:  # the run's log says where its input is decoded (rank 0's log: the others are quiet)
+        logging.getLogger("ddp_tricks").info("input: %s; %d loader worker(s) per rank", describe(), workers)
+    return fed(train, dist.device, channels_last), fed(val, dist.device, channels_last)
+
+
+def fed(loader: DataLoader, device: torch.device, channels_last: bool = False):
+    """The loader as a Feed where its dataset finishes batches on the device (`finish`), else as it is."""
+    finish = getattr(loader.dataset, "finish", None)
+    if finish is None:
+        return loader
+    from ddp_tricks.data.feed import Feed
+
+    return Feed(loader, device, functools.partial(finish, channels_last=channels_last))

@@ -1,0 +1,83 @@
+"""A loader whose batches arrive on the device, finished: the dataset's `finish(inputs, device)` copies the inputs
+(non-blocking, from pinned memory) and turns them into the model's input there (a uint8 image batch into normalised
+floating point, channels-last or not; encoded JPEGs decoded on the GPU). On a GPU the next batch's copy and
+conversion run on a side stream while the current batch trains, as timm's PrefetchLoader does. Everything else (the
+batch sampler the loop points at each epoch's steps, the dataset, its collate_fn, the generator seed_epoch seeds)
+is the wrapped DataLoader's; a batch made outside the loader (loaders.batch_of) is finished there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils.data import DataLoader
+
+from ddp_tricks.errors import UserError
+
+
+class Feed:
+    """`loader`'s (inputs, targets) batches with the inputs finished on `device` by `finish(inputs, device)`; `waited`
+    counts the seconds spent waiting on the loader (its workers) for a batch."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, finish: Callable[..., torch.Tensor]):
+        self.loader, self.device, self.finish = loader, device, finish
+        self.waited = 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _next(self, batches):
+        start = time.perf_counter()
+        try:
+            return next(batches)
+        except UserError as error:  # a worker's: DataLoader re-raises it with the worker's traceback in its message
+            line = str(error).strip().splitlines()[-1]
+            raise UserError(line.removeprefix(f"{UserError.__module__}.UserError: ")) from None
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        if self.device.type != "cuda":
+            while (batch := self._next_or_none(batches)) is not None:
+                inputs, targets = batch
+                yield self.finish(inputs, self.device), targets.to(self.device)
+            return
+        yield from self._prefetched(batches)
+
+    def _next_or_none(self, batches):
+        try:
+            return self._next(batches)
+        except StopIteration:
+            return None
+
+    def _prefetched(self, batches):
+        """One batch ahead on a side stream: its copy and conversion overlap the current batch's compute; the
+        compute stream waits for the side stream before it uses a batch, and the batch's memory is recorded as used
+        by the compute stream so the allocator does not hand it out while the compute still reads it."""
+        side = torch.cuda.Stream(self.device)
+        compute = torch.cuda.current_stream(self.device)
+
+        def stage(batch):
+            inputs, targets = batch
+            side.wait_stream(compute)  # the side stream must not run ahead of memory the compute stream frees
+            with torch.cuda.stream(side):
+                inputs = self.finish(inputs, self.device)
+                targets = targets.to(self.device, non_blocking=True)
+            return inputs, targets
+
+        ahead = self._next_or_none(batches)
+        ahead = stage(ahead) if ahead is not None else None
+        while ahead is not None:
+            compute.wait_stream(side)
+            inputs, targets = ahead
+            inputs.record_stream(compute)
+            targets.record_stream(compute)
+            following = self._next_or_none(batches)
+            ahead = stage(following) if following is not None else None
+            yield inputs, targets
