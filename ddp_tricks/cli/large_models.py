@@ -1,4 +1,5 @@
-"""The flags for models that outgrow one device's memory: activation checkpointing (ddp_tricks/activations.py), as
+"""The flags for models that outgrow one device's memory: activation checkpointing (ddp_tricks/activations.py) and
+HSDP's replicas (distributed/mesh.py), as
 one more group of the full command line (`build_parser`: flags.py's groups, then this one). No torch import here.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ddp_tricks.cli.flags import build_parser as build_flags_parser
+from ddp_tricks.cli.flags import positive_int
 
 CHECKPOINTING = ("full", "ops")  # or an integer K: every K-th block
 
@@ -20,13 +22,21 @@ def checkpointing_mode(text: str) -> str:
 
 def large_model_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
+        "--fsdp-replicas",
+        type=positive_int,
+        default=1,
+        metavar="R",
+        help="--strategy fsdp as HSDP: R replicas x world/R shards (shard within a node, replicate across nodes: "
+        "R = the number of nodes); 1: sharded over every process",
+    )
+    g.add_argument(
         "--activation-checkpointing",
         type=checkpointing_mode,
         default=None,
         metavar="MODE",
         help="recompute the blocks' activations in the backward instead of holding them (the FSDP units, "
         "DDP or FSDP): full (every block), ops (every block, keeping its matrix products and attention), or K "
-        "(every K-th block); off by default",
+        "(every K-th block)",
     )
 
 

@@ -83,6 +83,7 @@ def check_options(flags: argparse.Namespace) -> dict:
         "noise_scale": flags.noise_scale,
         "noise_scale_every": flags.noise_scale_every,
         "checkpointing": flags.activation_checkpointing,
+        "fsdp_replicas": flags.fsdp_replicas,
     }
 
 
@@ -92,6 +93,7 @@ def model_options(flags: argparse.Namespace) -> dict:
         "strategy": flags.strategy,
         "channels_last": flags.channels_last,
         "checkpointing": flags.activation_checkpointing,
+        "replicas": flags.fsdp_replicas,
     }
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ddp_tricks import activations
-from ddp_tricks.distributed import fsdp
+from ddp_tricks.distributed import fsdp, mesh
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, seam
 from ddp_tricks.training.metric_states import Layout
@@ -35,6 +35,7 @@ class Setup:
     noise_scale: bool = True  # not --no-noise-scale
     noise_scale_every: int = 1  # --noise-scale-every: measured on every K-th optimizer step
     checkpointing: str | None = None  # --activation-checkpointing: its mode (activations.py), or None
+    fsdp_replicas: int = 1  # --fsdp-replicas: HSDP's replicas (distributed/mesh.py)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     not fit together is said before anything that depends on it), then `make_plan(equal_shares)` (the run's plan,
     given what needs equal shares of a step's micro-batches; its own mistakes come next), then the task against the
     plan. The plan and the record of what was found. Also initialises lazy modules (the first forward)."""
+    mesh.check(setup.world_size, setup.fsdp_replicas, setup.strategy)
     collate = getattr(task, "collate", None)
     sums = seam.check_task(task, model, dataset, collate)
     scoring = seam.check_scoring(task, model, dataset, collate)
@@ -129,6 +131,8 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         folded = [units[i] for i in skipped]
         units = [unit for i, unit in enumerate(units) if i not in skipped]
         shard_line = fsdp.describe_units(model, units, folded)
+        if setup.fsdp_replicas > 1:
+            shard_line += f"; {mesh.describe(setup.world_size, setup.fsdp_replicas)}"
     elif setup.checkpointing:  # the blocks are the units FSDP would shard
         units = fsdp.shard_units(task, model)
     if setup.checkpointing:
