@@ -62,6 +62,7 @@ bench: install-all
 	$(PY) bench/optim_step.py
 	$(PY) bench/e2e.py
 	$(PY) bench/fsdp_memory.py
+	$(PY) bench/activation_memory.py
 	$(PY) bench/cached_accumulation.py
 	$(PY) bench/noise_scale.py
 	$(PY) bench/sparse_reduction.py

@@ -24,13 +24,11 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
 from customized_function import DETERMINISTIC_NOTE, EarlyStopping, same_seeds, use_deterministic_algorithms
 from ddp_tricks import failures, models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, fsdp, heartbeat, launch, watchdog, wrap
+from ddp_tricks.distributed import collectives, heartbeat, launch, placement, watchdog, wrap
 from ddp_tricks.distributed.preemption import Preemption
 from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
@@ -207,9 +205,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     itself), the optimizer, the schedule, precision, the noise scale's estimator, best and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
-    model = model.to(dist.device, memory_format=torch.channels_last if flags.channels_last else torch.preserve_format)
-    if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
-        model = fsdp.shard(model, found.units, DTYPES[flags.amp])
+    model = placement.build(model, found.units, dist.device, DTYPES[flags.amp], **cli.model_options(flags))
     optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
     ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
     apex_amp = None

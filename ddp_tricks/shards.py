@@ -29,14 +29,19 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def shard_group(params: list[torch.Tensor]):
-    """The process group over which `params` are sharded (None: whole tensors). One group's tensors are all
-    sharded or all whole."""
+    """The process group over which `params` are sharded (None: whole tensors): a 2-D (HSDP) mesh's shard
+    dimension. One group's tensors are all sharded or all whole."""
     sharded = [is_dtensor(p) for p in params]
     if not any(sharded):
         return None
     if not all(sharded):
         raise ValueError("a parameter group mixes sharded (DTensor) and whole parameters; keep them in separate groups")
-    return params[0].device_mesh.get_group()
+    mesh = params[0].device_mesh
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    # HSDP (replicas x shards): the norms are summed over the shard dimension only; every replica holds the same
+    # slices, and a whole-world sum would count each of them once per replica
+    return mesh.get_group(mesh_dim=next(i for i, p in enumerate(params[0].placements) if p.is_shard()))
 
 
 def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,12 @@ padded to its longest. What it exercises that the image task does not:
   are, so accumulation, uneven batches and the evaluation weight every token alike at any world size;
 - perplexity (monitored, lower is better) and token accuracy, both computed exactly from sums;
 - `--tie-weights`: the output projection shares its weight with the input embedding (GPT-2, BERT, T5 do), one
-  Parameter under two names, also under --strategy fsdp (the two modules sharded as one unit) and after resume.
+  Parameter under two names, also under --strategy fsdp (the two modules sharded as one unit) and after resume;
+- `--pack`: pre-training's packed sequences instead: the paragraphs (whole, each followed by the blank line that
+  ended it) concatenated into one stream per split and cut into sequences of exactly --max-length predicted bytes,
+  so no batch holds a padding token and every byte of the stream but its first is a target exactly once (the last,
+  incomplete sequence dropped); the same sequences at any world size. Attention runs across the documents of a
+  sequence (GPT-2's packing): the blank line between them is the only boundary the model sees.
 
     torchrun --standalone --nproc_per_node=2 run.py --task examples/language_model.py:PythonSourceLM \\
         --optimizer lamb -l 0.01 --wd 0.01 -b 16 -e 10 --warmup-epochs 1 --scheduler cosine
@@ -29,9 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from ddp_tricks import UserError
+
 PAD = 256  # the padding token's id: the 256 byte values come first
 IGNORE = -100  # a target cross-entropy skips (F.cross_entropy's ignore_index)
 SPLIT_SEED, VAL_FRACTION = 0, 0.1
+WHOLE = 1 << 30  # --pack: paragraphs are not cut
 
 
 def paragraphs(max_length: int, limit: int) -> list[bytes]:
@@ -46,6 +54,14 @@ def paragraphs(max_length: int, limit: int) -> list[bytes]:
                 found.append(block[:max_length])
     order = torch.randperm(len(found), generator=torch.Generator().manual_seed(SPLIT_SEED))
     return [found[i] for i in order[:limit].tolist()]
+
+
+def packed(texts: list[bytes], length: int) -> list[bytes]:
+    """`texts` (each followed by a blank line) as one stream, cut into windows of `length` + 1 bytes that overlap by
+    one (a window's last byte is the next one's first input): every byte but the stream's first is a target exactly
+    once. The last, incomplete window is dropped."""
+    stream = b"".join(text + b"\n\n" for text in texts)
+    return [stream[start : start + length + 1] for start in range(0, len(stream) - length, length)]
 
 
 class Sequences(Dataset):
@@ -103,10 +119,11 @@ class PythonSourceLM:
         g.add_argument("--depth", type=int, default=2, help="transformer blocks")
         g.add_argument("--heads", type=int, default=4, help="attention heads per block")
         g.add_argument("--tie-weights", action="store_true", help="the output projection is the input embedding")
+        g.add_argument(
+            "--pack", action="store_true", help="whole paragraphs packed into sequences of --max-length (no padding)"
+        )
 
     def __init__(self, args):
-        from ddp_tricks import UserError
-
         for flag in ("max_sequences", "max_length", "width", "depth", "heads"):
             if getattr(args, flag) < 1:
                 raise UserError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
@@ -117,10 +134,20 @@ class PythonSourceLM:
         self.args = args
 
     def datasets(self):
-        texts = paragraphs(self.args.max_length + 1, self.args.max_sequences)  # +1: inputs and targets overlap
+        a = self.args
+        whole = a.pack  # packed: documents whole, cut into sequences after they are joined
+        texts = paragraphs(WHOLE if whole else a.max_length + 1, a.max_sequences)  # +1: inputs and targets overlap
         n_val = max(1, round(len(texts) * VAL_FRACTION))
         self.vocabulary = PAD + 1
-        return Sequences(texts[n_val:]), Sequences(texts[:n_val])
+        train, val = texts[n_val:], texts[:n_val]
+        if a.pack:
+            train, val = packed(train, a.max_length), packed(val, a.max_length)
+            if not val:
+                raise UserError(
+                    f"--pack: the {n_val} validation paragraphs fill no sequence of --max-length {a.max_length}: "
+                    "give more --max-sequences or a smaller --max-length"
+                )
+        return Sequences(train), Sequences(val)
 
     def collate(self, samples: list[torch.Tensor]):
         """A batch: each sequence predicts its own next bytes; right-padded to the batch's longest."""

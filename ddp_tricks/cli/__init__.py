@@ -4,6 +4,7 @@ checks everything, and returns the validated `argparse.Namespace` and the task c
 
     flags.py        the flags, by trick          config_file.py  --config FILE.toml
     tasks.py        --task and the monitored metric          checks.py  values and combinations
+    large_models.py --activation-checkpointing (a group after flags.py's)
     options.py      what each component (plan, optimizer, schedule, loaders, start-up checks) takes from the flags
 """
 
@@ -19,11 +20,13 @@ from ddp_tricks import optim
 from ddp_tricks.cli import config_file
 from ddp_tricks.cli.checks import check, given_flags
 from ddp_tricks.cli.config_file import blame
-from ddp_tricks.cli.flags import Parser, build_parser
+from ddp_tricks.cli.flags import Parser
+from ddp_tricks.cli.large_models import build_parser
 from ddp_tricks.cli.options import (
     check_options,
     hang_options,
     loader_options,
+    model_options,
     optimizer_options,
     plan_options,
     schedule_options,
@@ -36,6 +39,7 @@ __all__ = [
     "answer_early",
     "describe_lr",
     "build_parser",
+    "model_options",
     "blame",
     "load_task",
     "mode_of",

@@ -83,6 +83,18 @@ def check_options(flags: argparse.Namespace) -> dict:
         "sync_bn": flags.sync_bn,
         "noise_scale": flags.noise_scale,
         "noise_scale_every": flags.noise_scale_every,
+        "checkpointing": flags.activation_checkpointing,
+        "fsdp_replicas": flags.fsdp_replicas,
+    }
+
+
+def model_options(flags: argparse.Namespace) -> dict:
+    """distributed.placement.build's settings: the strategy, the memory format and activation checkpointing."""
+    return {
+        "strategy": flags.strategy,
+        "channels_last": flags.channels_last,
+        "checkpointing": flags.activation_checkpointing,
+        "replicas": flags.fsdp_replicas,
     }
 
 

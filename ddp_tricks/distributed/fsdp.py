@@ -213,15 +213,16 @@ def _describe(model: nn.Module, units: list[Unit], index) -> str:
     return f"the unit {names[0]}" if len(names) == 1 else f"the unit [{', '.join(names)}]"
 
 
-def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None) -> nn.Module:
+def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None, mesh=None) -> nn.Module:
     """`fully_shard` the units, the smallest first and each once (a list of modules as one unit), then the
-    model, on a 1-D mesh over every rank. `dtype`: the --amp dtype parameters are gathered in (None: as they
-    are)."""
+    model, on `mesh` (a 2-D one: HSDP, replicas x shards; None: a 1-D mesh over every rank). `dtype`: the --amp
+    dtype parameters are gathered in (None: as they are)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     done = set()
     if dtype is not None:

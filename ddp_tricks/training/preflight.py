@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ddp_tricks.distributed import fsdp
+from ddp_tricks import activations
+from ddp_tricks.distributed import fsdp, mesh
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, seam
 from ddp_tricks.training.metric_states import Layout
@@ -33,6 +34,8 @@ class Setup:
     sync_bn: bool = False  # --sync-bn
     noise_scale: bool = True  # not --no-noise-scale
     noise_scale_every: int = 1  # --noise-scale-every: measured on every K-th optimizer step
+    checkpointing: str | None = None  # --activation-checkpointing: its mode (activations.py), or None
+    fsdp_replicas: int = 1  # --fsdp-replicas: HSDP's replicas (distributed/mesh.py)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class Findings:
     sum_names: list[str]  # the task's metric_sums() keys, in the order the sums vector holds them
     collate: Callable | None = None  # the task's own batching, when it has one
     sparse: tuple[str, ...] = ()  # the parameters that get sparse gradients
-    units: tuple = ()  # --strategy fsdp: what is sharded as one (fsdp.shard_units)
+    units: tuple = ()  # what is sharded as one (fsdp.shard_units): --strategy fsdp, or the blocks checkpointed
     global_loss: bool = False  # the task's loss gathers from every rank (gather_with_grad)
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient (None: loop.py's plain one)
     no_noise_scale: str | None = None  # why the gradient noise scale is not measured (None: it is)
@@ -52,6 +55,7 @@ class Findings:
     groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
     shard_line: str | None = None  # --strategy fsdp: the units, for the start line (fsdp.describe_units)
     noise_every: int = 1  # the noise scale is measured on every K-th optimizer step (a traced run: every step)
+    checkpointing_line: str | None = None  # --activation-checkpointing: what is checkpointed, for the start line
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -63,7 +67,7 @@ class Findings:
 
     def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
         """What the run's log says about them at its start."""
-        notes = [self.shard_line] if self.shard_line else []
+        notes = [line for line in (self.shard_line, self.checkpointing_line) if line]
         if self.measures_noise:
             notes.append(auto_batch.describe(plan, self.own_units, self.noise_every))
         elif noise_flag:
@@ -112,6 +116,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     not fit together is said before anything that depends on it), then `make_plan(equal_shares)` (the run's plan,
     given what needs equal shares of a step's micro-batches; its own mistakes come next), then the task against the
     plan. The plan and the record of what was found. Also initialises lazy modules (the first forward)."""
+    mesh.check(setup.world_size, setup.fsdp_replicas, setup.strategy)
     collate = getattr(task, "collate", None)
     sums = seam.check_task(task, model, dataset, collate)
     scoring = seam.check_scoring(task, model, dataset, collate)
@@ -119,13 +124,19 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
     groups = seam.param_groups(task, model)  # by name: the model is sharded or wrapped later
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
-    units, shard_line = [], None
+    units, shard_line, checkpointing_line = [], None, None
     if setup.strategy == "fsdp":
         units = fsdp.shard_units(task, model)
         skipped = fsdp.skipped(model, units, seam.module_calls(model, dataset, collate))
         folded = [units[i] for i in skipped]
         units = [unit for i, unit in enumerate(units) if i not in skipped]
         shard_line = fsdp.describe_units(model, units, folded)
+        if setup.fsdp_replicas > 1:
+            shard_line += f"; {mesh.describe(setup.world_size, setup.fsdp_replicas)}"
+    elif setup.checkpointing:  # the blocks are the units FSDP would shard
+        units = fsdp.shard_units(task, model)
+    if setup.checkpointing:
+        checkpointing_line = activations.describe(model, units, setup.checkpointing)
     global_loss = seam.check_global_loss(task, model, dataset, collate, traced=setup.traced)
     plan = make_plan(equal_shares(setup, task, sparse, global_loss))
     apex = setup.apex and setup.world_size > 1
@@ -160,4 +171,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         groups,
         shard_line,
         noise_every=1 if plan.manual_reduction else setup.noise_scale_every,
+        checkpointing_line=checkpointing_line,
     )

@@ -1,0 +1,47 @@
+"""The flags for models that outgrow one device's memory: activation checkpointing (ddp_tricks/activations.py) and
+HSDP's replicas (distributed/mesh.py), as
+one more group of the full command line (`build_parser`: flags.py's groups, then this one). No torch import here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ddp_tricks.cli.flags import build_parser as build_flags_parser
+from ddp_tricks.cli.flags import positive_int
+
+CHECKPOINTING = ("full", "ops")  # or an integer K: every K-th block
+
+
+def checkpointing_mode(text: str) -> str:
+    """--activation-checkpointing's value: full, ops or a positive integer K (kept as text)."""
+    if text in CHECKPOINTING or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"must be full, ops or a positive integer K (every K-th block), got {text!r}")
+
+
+def large_model_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--fsdp-replicas",
+        type=positive_int,
+        default=1,
+        metavar="R",
+        help="--strategy fsdp as HSDP: R replicas x world/R shards (shard within a node, replicate across nodes: "
+        "R = the number of nodes); 1: sharded over every process",
+    )
+    g.add_argument(
+        "--activation-checkpointing",
+        type=checkpointing_mode,
+        default=None,
+        metavar="MODE",
+        help="recompute the blocks' activations in the backward instead of holding them (the FSDP units, "
+        "DDP or FSDP): full (every block), ops (every block, keeping its matrix products and attention), or K "
+        "(every K-th block)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full command line: flags.py's groups, then the large-model flags."""
+    parser = build_flags_parser()
+    large_model_flags(parser.add_argument_group("models larger than a device (FSDP, recomputation)"))
+    return parser
