@@ -91,6 +91,28 @@ def test_a_skipped_all_reduce_is_found_and_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_a_hang_in_evaluation_where_the_host_waits_in_a_read_is_found_and_named(tmp_path):
+    """In evaluation (a phase of long legitimate work, judged by waiting in a collective), rank 1 stops at its first
+    validation batch in a barrier rank 0 never joins, and rank 0 goes on to the evaluation's all-reduce of its sums,
+    whose result it waits for in the template's host read, outside any torch.distributed call: nccl's way, which the
+    template's reads take on gloo too (collectives.sum_to_host). After --hang-timeout 3 s the job ends with HUNG
+    naming both collectives. Broken on purpose: heartbeat.collective without the template's marked reads
+    (`_HOST_READS`) fails it: rank 0 then seems to work, and no verdict comes (the job runs on to the timeout)."""
+    flags = [*TASK, *SHORT, "--runs-dir", tmp_path, "-n", "evalwait", "--hang-timeout", "3", "--dist-timeout", "300"]
+    try:
+        result = launch(flags, env=env(FAULT="evalwait", AT=1), timeout=90)
+    except subprocess.TimeoutExpired as late:
+        raise AssertionError(f"no verdict within 90 s:\n{(late.stderr or '')[-3000:]}") from None
+    err = result.stderr
+    assert result.exitcodes == [4, 4], (result.exitcodes, err[-3000:])
+    assert re.search(r"error: the job hangs: no progress on any rank for \d+ s", err), err[-3000:]
+    assert "the ranks wait in different collectives (rank 0 in all_reduce, rank 1 in barrier)" in err, err[-3000:]
+    assert re.search(r"error: rank 0: eval, waits in all_reduce at .*sum_to_host\(\)", err), err[-3000:]
+    assert re.search(r"error: rank 1: eval, waits in barrier at tests/hang_tasks.py:\d+ loss\(\)", err), err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_collective_mismatch_that_aborts_a_rank_is_said_as_one(tmp_path):
     """Rank 0 all-reduces 3 numbers and rank 1 five: gloo aborts the receiver ("Received data size doesn't match
     expected size"), whose stacks faulthandler writes; the other says a collective mismatch, naming the operation,

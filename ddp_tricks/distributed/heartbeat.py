@@ -11,9 +11,10 @@ from the main thread's stack), and on ranks 0 and N-1 (the observers) reads ever
   seen on the observer's own clock (no clock is compared across nodes);
 - no rank makes progress: every rank not finished has made none for max(--hang-factor x the slowest step seen,
   --hang-timeout) in training, or, in a phase of long legitimate work (start-up, a first step, evaluation, a
-  checkpoint, figures, precise BN), for --hang-timeout while waiting in a torch.distributed call. A rank working in
-  such a phase (its main thread anywhere else: torch.save, a slow evaluation), or compiling (torch.compile's
-  frames on its stack, at any step), is never counted as stuck.
+  checkpoint, figures, precise BN), for --hang-timeout while waiting in a torch.distributed call, or in one of the
+  template's reads of a collective's result (`waits_for`: where nccl's host waits). A rank working in such a phase
+  (its main thread anywhere else: torch.save, a slow evaluation), or compiling (torch.compile's frames on its stack,
+  at any step), is never counted as stuck.
 
 Then the observer that claims the verdict asks every live rank for its stacks (stacks-rankR.txt) and its line, says
 the cause and the lines, ends a silent rank on its own host (SIGKILL: a stopped process takes no SIGTERM, and
@@ -324,22 +325,38 @@ _WATCH = {Path(__file__).resolve(), Path(__file__).resolve().parent / "watchdog.
 _LIBRARY = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
 
 
+_HOST_READS: dict[tuple[str, str], str] = {}  # (file, function) -> the collective whose result it reads (waits_for)
+
+
+def waits_for(op: str):
+    """Marks a function of the template that runs collective `op` and reads its result on the host: a thread in it
+    waits in `op`. On nccl a collective returns once queued and the host waits where it reads the result, outside any
+    torch.distributed call; the template's reads (collectives.py) run their collectives so on gloo too."""
+
+    def mark(function):
+        _HOST_READS[function.__code__.co_filename, function.__code__.co_name] = op
+        return function
+
+    return mark
+
+
 def collective(frames: list) -> str:
-    """The torch.distributed call the thread waits in (all_reduce, barrier, ...), else ''."""
+    """The torch.distributed call the thread waits in (all_reduce, barrier, ...), or whose result it reads on the
+    host in the template (`waits_for`), else ''."""
     for frame in frames:
-        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            return frame.f_code.co_name
+        code = frame.f_code
+        if code.co_filename.endswith("distributed_c10d.py"):
+            return code.co_name
+        if (code.co_filename, code.co_name) in _HOST_READS:
+            return _HOST_READS[code.co_filename, code.co_name]
     return ""
 
 
 def compiling(frames: list) -> bool:
     """The thread compiles (torch.compile's Dynamo or Inductor on its stack): long work at any step, not a hang
     (the last, shorter batch of an epoch compiles again, as does the first evaluation)."""
-    return any(("/torch/_dynamo/" in name or "/torch/_inductor/" in name) for name in map(_filename, frames))
-
-
-def _filename(frame) -> str:
-    return frame.f_code.co_filename
+    names = [frame.f_code.co_filename for frame in frames]
+    return any(("/torch/_dynamo/" in name or "/torch/_inductor/" in name) for name in names)
 
 
 def where(frames: list) -> str:
@@ -419,6 +436,8 @@ def _aborted_at(text: str) -> str:
     for filename, line, function in frames:
         if filename.endswith("distributed_c10d.py") and not op:
             op = function
+        elif (filename, function) in _HOST_READS and not op:
+            op = _HOST_READS[filename, function]
         elif op and "/torch/" not in filename and not caller:
             caller = f"{short(filename)}:{line} {function}()"
     return (op or _SOME_COLLECTIVE) + (f" at {caller}" if caller else "")
