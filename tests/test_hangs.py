@@ -129,6 +129,59 @@ def test_a_collective_mismatch_that_aborts_a_rank_is_said_as_one(tmp_path):
     assert "another process of the job is gone" not in err and "--resume auto" not in err
 
 
+# what torch's ProcessGroupNCCL raises or prints when its watchdog aborts (as torch 2.4 to 2.11 word it)
+NCCL_TIMEOUT = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: [Rank 1] Watchdog "
+    "caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLGATHER, NumelIn=1, NumelOut=4, "
+    "Timeout(ms)=600000) ran for 600004 milliseconds before timing out."
+)
+NCCL_CUDA = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: CUDA error: an "
+    "illegal memory access was encountered\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+)
+NCCL_REMOTE = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process exited or there was "
+    "a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote "
+    "process exiting prematurely."
+)
+
+
+@pytest.mark.timeout(30)
+def test_nccl_s_own_abort_is_named_as_such_never_a_collective_mismatch():
+    """NCCL's watchdog ends a process after a collective ran past --dist-timeout, or after an NCCL or a CUDA error;
+    the ranks it did not end see their communicator aborted. Each such error is named as NCCL's abort with its cause,
+    and a peer whose process aborted (its stacks file) is said within it, never as gloo's collective mismatch. A bug
+    in the main thread (a CUDA error raised there, a shape error) and gloo's lost peer are not NCCL's abort. Broken on
+    purpose: watchdog.nccl_abort that finds none (NCCL_ABORTS empty) fails it."""
+    from torch.distributed import DistBackendError
+
+    from ddp_tricks.distributed import watchdog
+
+    said = {
+        NCCL_TIMEOUT: "NCCL's watchdog: a collective ran past --dist-timeout ([PG ID 0",
+        NCCL_CUDA: "NCCL's watchdog found a CUDA error ([PG ID 0",
+        "NCCL communicator was aborted on rank 1.": "NCCL's watchdog aborted the communicator after a failure",
+        NCCL_REMOTE: "an NCCL error (NCCL error in: ",
+    }
+    for text, cause in said.items():
+        assert str(watchdog.nccl_abort(DistBackendError(text))).startswith(cause), text
+    assert watchdog.nccl_abort(RuntimeError("CUDA error: device-side assert triggered")) is None  # the main thread's
+    assert watchdog.nccl_abort(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert watchdog.nccl_abort(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection reset by peer")) is None
+    assert watchdog.nccl_abort(ValueError(NCCL_TIMEOUT)) is None  # not a collective's
+
+    try:
+        raise DistBackendError("NCCL communicator was aborted on rank 0.")
+    except DistBackendError as error:
+        nccl = watchdog.nccl_abort(error)
+        line = failures.nccl_aborted({1: "all_reduce at ddp_tricks/training/loop.py:350 evaluate()"}, error, nccl)
+    assert line.startswith("NCCL's watchdog aborted the communicator after a failure on a rank (NCCL communicator")
+    assert "; rank 1 aborted in all_reduce at ddp_tricks/training/loop.py:350 evaluate();" in line
+    assert "mismatch" not in line and "gloo" not in line
+    remote = RuntimeError(NCCL_REMOTE)  # a peer's abort seen by a rank whose error names no cause: said alike
+    assert failures.nccl_aborted({0: "broadcast"}, remote, None).startswith("NCCL's watchdog took a process down (")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["eval", "first", "save", "figures"])
