@@ -24,8 +24,6 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
 from customized_function import DETERMINISTIC_NOTE, EarlyStopping, same_seeds, use_deterministic_algorithms
 from ddp_tricks import failures, models, plots
 from ddp_tricks import plan as planning
@@ -207,7 +205,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     itself), the optimizer, the schedule, precision, the noise scale's estimator, best and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
-    model = model.to(dist.device, memory_format=torch.channels_last if flags.channels_last else torch.preserve_format)
+    model = preflight.on_device(task, model, found, dist.device, flags.channels_last, DTYPES[flags.amp])
     if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
         model = fsdp.shard(model, found.units, DTYPES[flags.amp])
     optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))

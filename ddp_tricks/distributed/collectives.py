@@ -213,6 +213,8 @@ def gather_with_grad(tensor: torch.Tensor, return_offset: bool = False):
     sizes = [rows] * dist.get_world_size()
     if _uneven:
         sizes = _row_counts(rows, tensor.device)
+    if max(sizes) == 0:  # no rank has a row (the start-up check's empty batch on the device): nothing to send
+        return (tensor, 0) if return_offset else tensor
     gathered = _Gather.apply(tensor, sizes)
     offset = sum(sizes[: dist.get_rank()])
     return (gathered, offset) if return_offset else gathered

@@ -7,14 +7,17 @@ here is one line on every rank.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, seam
+from ddp_tricks.training.batches import to_device
 from ddp_tricks.training.metric_states import Layout
 
 
@@ -52,6 +55,7 @@ class Findings:
     groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
     shard_line: str | None = None  # --strategy fsdp: the units, for the start line (fsdp.describe_units)
     noise_every: int = 1  # the noise scale is measured on every K-th optimizer step (a traced run: every step)
+    empty_batch: tuple | None = None  # 0 samples (inputs, targets) the task's evaluation must take (it gathers)
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -160,4 +164,21 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         groups,
         shard_line,
         noise_every=1 if plan.manual_reduction else setup.noise_scale_every,
+        empty_batch=seam.empty_batch(dataset, collate) if global_loss else None,
     )
+
+
+def on_device(task, model: nn.Module, found: Findings, device: torch.device, channels_last: bool, dtype) -> nn.Module:
+    """The model on the training device (channels-last when asked), and the check that needs it there: a task whose
+    evaluation must take a batch of 0 samples (`found.empty_batch`; checked on the CPU at start) runs one through
+    its model and evaluation again on a GPU, under autocast to `dtype` as the evaluation runs, where a kernel may refuse
+    0 rows that the CPU took (one line, not a failure at the first evaluation). Before DDP or FSDP wrap it: a plain
+    forward, the random state put back."""
+    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    if found.empty_batch is None or device.type == "cpu":
+        return model
+    inputs, targets = to_device(found.empty_batch[0], device, channels_last), to_device(found.empty_batch[1], device)
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    with torch.random.fork_rng(devices=[device], device_type=device.type):
+        seam.check_empty_batch(task, model, inputs, targets, autocast, f" on {device}")
+    return model

@@ -341,9 +341,9 @@ def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: boo
     """Whether the task's loss, metric sums or score() gather from every rank (call gather_with_grad), found on the
     check batch before any process group (where the gather is the identity). Such a task must also take a batch of
     no sample, which a rank that holds no sample of a validation batch (a set smaller than its batches x the ranks)
-    runs through its evaluation (the model in eval mode, then score(), or loss() and metric_sums()) while the others
-    run theirs; a traced run, whose ranks run different
-    numbers of micro-batches, would leave a gather waiting. Either is one line here."""
+    runs through its evaluation (check_empty_batch; on a GPU again there, preflight.on_device) while the others run
+    theirs; a traced run, whose ranks run different numbers of micro-batches, would leave a gather waiting. Either is
+    one line here."""
     indices = list(range(min(CHECKED, len(dataset))))
     inputs, targets = batch_of(dataset, indices, collate)
     before = gather_calls()
@@ -367,23 +367,41 @@ def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: boo
                     "ranks different numbers of micro-batches, so a gather would wait for a rank that never comes: "
                     "drop --batch-trace"
                 )
-            empty_inputs, empty_targets = no_rows(inputs, len(indices)), no_rows(targets, len(indices))
-            pieces = "score()" if scored else "loss() and metric_sums()"
-            fix = f"make the model and {pieces} take a batch of 0 samples (a mean over none is NaN: fine)"
-            why = "the task's evaluation gathers from every rank, so a rank with no sample of a validation batch runs"
-            problem = f"{why} an empty batch through its model, which fails"
-            outputs = _call(lambda x, _: model(x), empty_inputs, None, problem, fix)
-            outputs = float_outputs(outputs)
-            if scored:
-                _call(task.score, outputs, empty_targets, f"{why} an empty batch through its score(), which fails", fix)
-                return True
-            _call(task.loss, outputs, empty_targets, f"{why} an empty batch through its loss(), which fails", fix)
-            if hasattr(task, "metric_sums"):
-                problem = f"{why} an empty batch through its metric_sums(), which fails"
-                _call(task.metric_sums, outputs, empty_targets, problem, fix)
         finally:
             model.train(training)
+    check_empty_batch(task, model, *empty_batch(dataset, collate))
     return True
+
+
+def empty_batch(dataset, collate=None) -> tuple:
+    """The check batch (the first training samples, batched as the loader batches them) cut to 0 samples."""
+    count = min(CHECKED, len(dataset))
+    return tuple(no_rows(part, count) for part in batch_of(dataset, list(range(count)), collate))
+
+
+@torch.no_grad()
+def check_empty_batch(task, model: nn.Module, inputs, targets, autocast=contextlib.nullcontext, where="") -> None:
+    """A batch of 0 samples through the model in eval mode (under `autocast`) and the task's evaluation (score(), or
+    loss() and metric_sums()), as a rank with no sample of a validation batch runs it while the others run theirs:
+    a failure is one line (`where`: on which device). The model's mode is put back."""
+    scored = hasattr(task, "score")
+    fix = f"make the model and {'score()' if scored else 'loss() and metric_sums()'} take a batch of 0 samples (a mean "
+    fix += "over none is NaN: fine)"
+    why = "the task's evaluation gathers from every rank, so a rank with no sample of a validation batch runs"
+    training = model.training
+    model.eval()
+    try:
+        with autocast():
+            outputs = _call(
+                lambda x, _: model(x), inputs, None, f"{why} an empty batch through its model{where}, which fails", fix
+            )
+        outputs = float_outputs(outputs)
+        names = ["score"] if scored else ["loss", "metric_sums"][: 1 + hasattr(task, "metric_sums")]
+        for name in names:
+            problem = f"{why} an empty batch through its {name}(){where}, which fails"
+            _call(getattr(task, name), outputs, targets, problem, fix)
+    finally:
+        model.train(training)
 
 
 def module_calls(model: nn.Module, dataset, collate=None) -> list[set[int]]:
