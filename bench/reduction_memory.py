@@ -3,12 +3,13 @@ uneven shares) against DDP's, one step of the same model and micro-batches in on
 every all-reduce runs).
 
 The peak of the bytes allocated during a step (forward, backward, reduction), from the profiler's memory events on
-the CPU, or torch.cuda.max_memory_allocated on a GPU; weights and inputs, made before, are left out of both. DDP (gradient_as_bucket_view, as distributed/wrap.py builds it) holds its
-gradients in its buckets; the manual reduction holds the gradients and one bucket of --bucket-cap-mb. Prints each
-peak in MiB, the manual one's excess over DDP's in buckets, and the ratio of the peaks; the last line is one JSON
-object.
+the CPU, or torch.cuda.max_memory_allocated on a GPU; weights and inputs, made before, are left out of both. DDP
+(gradient_as_bucket_view, as distributed/wrap.py builds it) holds its buckets, and under no_sync() the accumulated
+gradients beside them; the manual reduction holds the gradients, one layer's gradient as autograd hands it over, and
+one bucket of --bucket-cap-mb. Prints each peak in MiB, the difference in buckets, and the ratio of the peaks; the
+last line is one JSON object.
 
-    python bench/reduction_memory.py [--width 1024] [--layers 8] [--bucket-cap-mb 4] [--device cpu]
+    python bench/reduction_memory.py [--width 1024] [--layers 8] [--micro-batches 3] [--bucket-cap-mb 4]
 """
 
 from __future__ import annotations

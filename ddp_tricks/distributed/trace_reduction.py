@@ -1,6 +1,6 @@
 """A traced run's gradient reduction, in place of DDP's (--batch-trace, or a world size that leaves the plan's
 shares uneven: the ranks hold different numbers of a step's micro-batches, some maybe none): each rank's share of
-the step's mean gradient summed across ranks in one all-reduce, with AdaScale's gain (Johnson et al., 2020) and the
+the step's mean gradient summed across ranks in DDP-sized buckets, with AdaScale's gain (Johnson et al., 2020) and the
 noise scale's small batches read from the micro-batch gradients on the way. Here, below both the training loop and
 the original trace API (traces/original_api.py), which reduce alike.
 """
