@@ -8,6 +8,8 @@ exists):
     FAULT=eval     rank 0's first validation batch sleeps $SLOW seconds (a slow evaluation)
     FAULT=evalwait at validation batch AT, rank 1 waits in a barrier of a group rank 0 never joins (a side group
                    made at the first training call), while rank 0 goes on to the evaluation's reduction
+    FAULT=side     at training call AT, rank 1 waits in a barrier of that side group (on nccl, rank 0 goes on into
+                   collectives rank 1 never joins, until NCCL's watchdog aborts it after --dist-timeout)
     FAULT=first    rank 0's first training step sleeps $SLOW seconds (a first step that compiles)
     FAULT=save     rank 0's first checkpoint write sleeps $SLOW seconds (a large checkpoint)
     FAULT=figures  rank 0's figures take $SLOW seconds more (the others have finished)
@@ -71,10 +73,12 @@ class Faulty(Task):
             if self.fault == "evalwait" and _rank() == 1 and self.val_calls == self.at:
                 dist.barrier(group=self.side)
             return super().loss(outputs, targets)
-        if self.fault == "evalwait" and self.side is None:  # every rank, at its first training call
+        if self.fault in ("evalwait", "side") and self.side is None:  # every rank, at its first training call
             self.side = dist.new_group(backend="gloo")
         self.calls += 1
         now = self.calls == self.at
+        if self.fault == "side" and now and _rank() == 1:
+            dist.barrier(group=self.side)
         if self.fault == "first" and _rank() == 0 and self.calls == 1:
             time.sleep(self.slow)
         if self.fault == "stop" and now and _rank() == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
