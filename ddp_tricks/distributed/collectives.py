@@ -6,8 +6,9 @@ Each is a no-op (or the value itself) in a single process without a process grou
 On nccl a collective returns once queued and the host waits later, where it reads the result (`.item()`,
 `.tolist()`, `.cpu()`), outside any torch.distributed call. So every function here that reads a collective's result
 on the host is marked (`heartbeat.waits_for`): a rank inside it waits in that collective, for the watchdog, in any
-phase. They run their collectives the nccl way on gloo too (`async_op=True`, then the wait beside the read), so the
-CPU tests see what a GPU job does.
+phase (each reads a few numbers: its time is waiting, not work; a gather of whole weights to the CPU is not marked).
+They run their collectives the nccl way on gloo too (`async_op=True`, then the wait beside the read), so the CPU
+tests see what a GPU job does.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ddp_tricks.distributed.heartbeat import waits_for
+
 
 def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """|g|^2 of each tensor, in float64 on the device (no host sync)."""
@@ -67,6 +69,7 @@ class AdaScale:
 BUCKET_MB = 25.0  # --bucket-cap-mb: DDP's default bucket
 
 
+@waits_for("all_reduce")  # AdaScale's read of the summed norms: where nccl's host waits
 def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_norms, adascale: AdaScale | None,
                      micro_batches: int, noise=None, batch: int = 0, loss_scale=1.0,
                      bucket_mb: float = BUCKET_MB) -> float:  # fmt: skip
