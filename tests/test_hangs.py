@@ -182,6 +182,25 @@ def test_nccl_s_own_abort_is_named_as_such_never_a_collective_mismatch():
     assert failures.nccl_aborted({0: "broadcast"}, remote, None).startswith("NCCL's watchdog took a process down (")
 
 
+@pytest.mark.timeout(30)
+def test_a_peer_that_aborted_in_a_template_read_names_the_collective_it_waited_for(tmp_path):
+    """On nccl a rank aborts (NCCL's watchdog) while its host waits in the template's read of a collective's result,
+    outside any torch.distributed call: its faulthandler stacks name the read, and its peer says the collective and
+    the caller. Broken on purpose: heartbeat._aborted_at without the template's marked reads fails it ("a collective
+    at ...collectives.py")."""
+    from ddp_tricks.distributed import collectives, heartbeat
+
+    read = collectives.sum_to_host.__code__.co_filename
+    (tmp_path / "stacks-rank0.txt").write_text(
+        f"{heartbeat.ABORTED}\n\nThread 0x00007f (most recent call first):\n"
+        f'  File "{read}", line 38 in sum_to_host\n'
+        f'  File "{heartbeat._PACKAGE / "training" / "loop.py"}", line 350 in evaluate\n'
+        f'  File "{heartbeat._PACKAGE.parent / "run.py"}", line 128 in train\n'
+    )
+    found = heartbeat.aborted_peers(tmp_path, 1, 2, wait=1.0)
+    assert found == {0: "all_reduce at ddp_tricks/training/loop.py:350 evaluate()"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["eval", "first", "save", "figures"])
