@@ -67,6 +67,7 @@ bench: install-all
 	$(PY) bench/noise_scale.py
 	$(PY) bench/sparse_reduction.py
 	$(PY) bench/input_pipeline.py
+	$(PY) bench/reduction_memory.py
 
 # No install-all: it runs on the machine's own Python (PYTHON=...), which needs torch and torchvision.
 gpu-check:

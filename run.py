@@ -238,7 +238,8 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     reduction = None
     if plan.manual_reduction:  # a traced run, or uneven shares: ranks run different numbers of backwards
         adascale = AdaScale() if flags.batch_lr_rule == "adascale" else None
-        reduction = TraceReduction(params, plan.micro_batch, adascale, noise, plan.slots * plan.uneven_shares)
+        slots = plan.slots * plan.uneven_shares
+        reduction = TraceReduction(params, plan.micro_batch, adascale, noise, slots, flags.bucket_cap_mb)
     early_stopping = None
     if flags.early_stop_patience:
         early_stopping = EarlyStopping(flags.early_stop_patience, delta=flags.early_stop_delta, mode=mode)

@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 
 from ddp_tricks import cli
-from ddp_tricks.distributed import heartbeat, watchdog
+from ddp_tricks.distributed import heartbeat, stacks, watchdog
 from ddp_tricks.errors import UserError, report
 from ddp_tricks.storage import checkpoint
 
@@ -54,8 +54,11 @@ def bug(error: BaseException, flags, rank: int) -> int:
         raise error
     if watchdog.fail(BUG):
         gone = watchdog.lost_peer(error)  # not a bug here: another process died first, without a word
-        aborted = heartbeat.aborted_peers(getattr(flags, "run_dir", None), rank, _world_size()) if gone else {}
-        if aborted:  # it aborted in a collective: gloo's "Received data size doesn't match expected size"
+        nccl = watchdog.nccl_abort(error)  # nor here: NCCL's watchdog aborted (a timeout, an NCCL or a CUDA error)
+        aborted = stacks.aborted_peers(getattr(flags, "run_dir", None), rank, _world_size()) if gone or nccl else {}
+        if (aborted or nccl) and (nccl or _backend() == "nccl"):  # on nccl, a process aborts by NCCL's watchdog
+            report(f"on rank {rank}: {nccl_aborted(aborted, error, nccl)}")
+        elif aborted:  # it aborted in a collective: gloo's "Received data size doesn't match expected size"
             report(f"on rank {rank}: {mismatch(aborted, error)}")
         elif gone:
             restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
@@ -74,14 +77,35 @@ def mismatch(aborted: dict[int, str], error: BaseException) -> str:
     """A collective mismatch, said as one: which ranks aborted in which collective (from their stacks files), and
     where this rank was (from its error's traceback)."""
     frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-    here = heartbeat.collective(frames) or "a collective"
+    here = stacks.collective(frames) or "a collective"
     there = "; ".join(f"rank {r} aborted in {at}" for r, at in sorted(aborted.items()))
     return (
-        f"a collective mismatch: {there}, while this rank was in {here} at {heartbeat.where(frames)} (gloo's "
+        f"a collective mismatch: {there}, while this rank was in {here} at {stacks.where(frames)} (gloo's "
         '"Received data size doesn\'t match expected size" above): the ranks called different collectives, or the '
         "same with different sizes. Every rank must call the same collectives in the same order with the same "
         "shapes; a resume fails the same way until the code is fixed (TORCH_DISTRIBUTED_DEBUG=DETAIL names both)"
     )
+
+
+def nccl_aborted(aborted: dict[int, str], error: BaseException, nccl: str | None) -> str:
+    """NCCL's own abort, said as one (never a collective mismatch): what this rank's error says (`nccl`), the ranks
+    whose process aborted (their stacks files: `aborted`), and where this rank was."""
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    here = f"this rank was in {stacks.collective(frames) or 'a collective'} at {stacks.where(frames)}"
+    there = "".join(f"; rank {r} aborted in {at}" for r, at in sorted(aborted.items()))
+    what = nccl or f"NCCL's watchdog took a process down ({watchdog.lost_peer(error) or str(error)[:120]})"
+    return (
+        f"{what}{there}; {here}. NCCL's watchdog ends a process after a collective ran past --dist-timeout, or after "
+        "an NCCL or a CUDA error; each rank's own lines above say which (a rank stopped or a collective that not "
+        "every rank called times out; CUDA_LAUNCH_BLOCKING=1 names a failing kernel)"
+    )
+
+
+def _backend() -> str:
+    """The process group's backend ('' without one)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else ""
 
 
 def _world_size() -> int:

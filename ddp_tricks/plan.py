@@ -274,7 +274,7 @@ def make(
                 spread = ",".join(map(str, shares(slots, world_size)))
                 relayout += (
                     f": {slots} micro-batches of {micro_batch} spread {spread} over the ranks (uneven: a step lasts as "
-                    f"long as {accum_steps} micro-batch(es), and its gradients are summed in one all-reduce after them)"
+                    f"long as {accum_steps} micro-batch(es), and its gradients are summed across the ranks after them)"
                 )
             else:
                 relayout += f": micro-batch {micro_batch} x accumulation {accum_steps}"

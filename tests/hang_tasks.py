@@ -6,6 +6,10 @@ exists):
     FAULT=skip     every rank all-reduces a scalar in its loss; at call AT rank 1 skips it and waits in a barrier
     FAULT=size     at call AT, rank r all-reduces 3 + 2r numbers: gloo aborts the receiving rank (a mismatch)
     FAULT=eval     rank 0's first validation batch sleeps $SLOW seconds (a slow evaluation)
+    FAULT=evalwait at validation batch AT, rank 1 waits in a barrier of a group rank 0 never joins (a side group
+                   made at the first training call), while rank 0 goes on to the evaluation's reduction
+    FAULT=side     at training call AT, rank 1 waits in a barrier of that side group (on nccl, rank 0 goes on into
+                   collectives rank 1 never joins, until NCCL's watchdog aborts it after --dist-timeout)
     FAULT=first    rank 0's first training step sleeps $SLOW seconds (a first step that compiles)
     FAULT=save     rank 0's first checkpoint write sleeps $SLOW seconds (a large checkpoint)
     FAULT=figures  rank 0's figures take $SLOW seconds more (the others have finished)
@@ -40,6 +44,7 @@ class Faulty(Task):
         self.step_seconds = float(os.environ.get("STEP", "0"))
         self.calls = 0
         self.val_calls = 0
+        self.side = None  # FAULT=evalwait: a group of every rank that only rank 1 ever waits in
         if self.fault == "save" and _rank() == 0:
             from ddp_tricks.storage import checkpoint
 
@@ -69,9 +74,15 @@ class Faulty(Task):
             self.val_calls += 1
             if self.fault == "eval" and _rank() == 0 and self.val_calls == 1:
                 time.sleep(self.slow)
+            if self.fault == "evalwait" and _rank() == 1 and self.val_calls == self.at:
+                dist.barrier(group=self.side)
             return super().loss(outputs, targets)
+        if self.fault in ("evalwait", "side") and self.side is None:  # every rank, at its first training call
+            self.side = dist.new_group(backend="gloo")
         self.calls += 1
         now = self.calls == self.at
+        if self.fault == "side" and now and _rank() == 1:
+            dist.barrier(group=self.side)
         if self.fault == "first" and _rank() == 0 and self.calls == 1:
             time.sleep(self.slow)
         if self.fault == "slow" and 2 <= self.calls <= self.at:

@@ -214,19 +214,6 @@ def test_the_start_up_check_finds_a_loss_that_gathers():
         seam.check_global_loss(task, model, train, traced=True)
 
 
-def test_a_gathering_loss_that_cannot_take_an_empty_batch_is_one_line():
-    class Strict:
-        def loss(self, outputs, targets):
-            z = gather_with_grad(outputs)
-            if len(outputs) == 0:
-                raise ValueError("no rows")
-            return z.mean()
-
-    data = loaders.InMemoryDataset(torch.randn(6, 3), torch.zeros(6))
-    with pytest.raises(UserError, match=r"empty batch through its loss\(\), which fails \(ValueError: no rows\)"):
-        seam.check_global_loss(Strict(), nn.Linear(3, 2), data)
-
-
 # -- SimCLR across ranks: exact ---------------------------------------------------------------------------------------
 
 STEPS, GLOBAL_BATCH, LR = 10, 32, 0.5

@@ -91,6 +91,28 @@ def test_a_skipped_all_reduce_is_found_and_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_a_hang_in_evaluation_where_the_host_waits_in_a_read_is_found_and_named(tmp_path):
+    """In evaluation (a phase of long legitimate work, judged by waiting in a collective), rank 1 stops at its first
+    validation batch in a barrier rank 0 never joins, and rank 0 goes on to the evaluation's all-reduce of its sums,
+    whose result it waits for in the template's host read, outside any torch.distributed call: nccl's way, which the
+    template's reads take on gloo too (collectives.sum_to_host). After --hang-timeout 3 s the job ends with HUNG
+    naming both collectives. Broken on purpose: stacks.collective without the template's marked reads
+    (`_HOST_READS`) fails it: rank 0 then seems to work, and no verdict comes (the job runs on to the timeout)."""
+    flags = [*TASK, *SHORT, "--runs-dir", tmp_path, "-n", "evalwait", "--hang-timeout", "3", "--dist-timeout", "300"]
+    try:
+        result = launch(flags, env=env(FAULT="evalwait", AT=1), timeout=90)
+    except subprocess.TimeoutExpired as late:
+        raise AssertionError(f"no verdict within 90 s:\n{(late.stderr or '')[-3000:]}") from None
+    err = result.stderr
+    assert result.exitcodes == [4, 4], (result.exitcodes, err[-3000:])
+    assert re.search(r"error: the job hangs: no progress on any rank for \d+ s", err), err[-3000:]
+    assert "the ranks wait in different collectives (rank 0 in all_reduce, rank 1 in barrier)" in err, err[-3000:]
+    assert re.search(r"error: rank 0: eval, waits in all_reduce at .*sum_to_host\(\)", err), err[-3000:]
+    assert re.search(r"error: rank 1: eval, waits in barrier at tests/hang_tasks.py:\d+ loss\(\)", err), err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_collective_mismatch_that_aborts_a_rank_is_said_as_one(tmp_path):
     """Rank 0 all-reduces 3 numbers and rank 1 five: gloo aborts the receiver ("Received data size doesn't match
     expected size"), whose stacks faulthandler writes; the other says a collective mismatch, naming the operation,
@@ -105,6 +127,78 @@ def test_a_collective_mismatch_that_aborts_a_rank_is_said_as_one(tmp_path):
     assert said[1] != said[2] and said[3] == "tests/hang_tasks.py:" + said[3].split(":")[1]
     assert "this rank was in all_reduce at tests/hang_tasks.py" in err
     assert "another process of the job is gone" not in err and "--resume auto" not in err
+
+
+# what torch's ProcessGroupNCCL raises or prints when its watchdog aborts (as torch 2.4 to 2.11 word it)
+NCCL_TIMEOUT = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: [Rank 1] Watchdog "
+    "caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLGATHER, NumelIn=1, NumelOut=4, "
+    "Timeout(ms)=600000) ran for 600004 milliseconds before timing out."
+)
+NCCL_CUDA = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: CUDA error: an "
+    "illegal memory access was encountered\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+)
+NCCL_REMOTE = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process exited or there was "
+    "a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote "
+    "process exiting prematurely."
+)
+
+
+@pytest.mark.timeout(30)
+def test_nccl_s_own_abort_is_named_as_such_never_a_collective_mismatch():
+    """NCCL's watchdog ends a process after a collective ran past --dist-timeout, or after an NCCL or a CUDA error;
+    the ranks it did not end see their communicator aborted. Each such error is named as NCCL's abort with its cause,
+    and a peer whose process aborted (its stacks file) is said within it, never as gloo's collective mismatch. A bug
+    in the main thread (a CUDA error raised there, a shape error) and gloo's lost peer are not NCCL's abort. Broken on
+    purpose: watchdog.nccl_abort that finds none (NCCL_ABORTS empty) fails it."""
+    from torch.distributed import DistBackendError
+
+    from ddp_tricks.distributed import watchdog
+
+    said = {
+        NCCL_TIMEOUT: "NCCL's watchdog: a collective ran past --dist-timeout ([PG ID 0",
+        NCCL_CUDA: "NCCL's watchdog found a CUDA error ([PG ID 0",
+        "NCCL communicator was aborted on rank 1.": "NCCL's watchdog aborted the communicator after a failure",
+        NCCL_REMOTE: "an NCCL error (NCCL error in: ",
+    }
+    for text, cause in said.items():
+        assert str(watchdog.nccl_abort(DistBackendError(text))).startswith(cause), text
+    assert watchdog.nccl_abort(RuntimeError("CUDA error: device-side assert triggered")) is None  # the main thread's
+    assert watchdog.nccl_abort(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert watchdog.nccl_abort(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection reset by peer")) is None
+    assert watchdog.nccl_abort(ValueError(NCCL_TIMEOUT)) is None  # not a collective's
+
+    try:
+        raise DistBackendError("NCCL communicator was aborted on rank 0.")
+    except DistBackendError as error:
+        nccl = watchdog.nccl_abort(error)
+        line = failures.nccl_aborted({1: "all_reduce at ddp_tricks/training/loop.py:350 evaluate()"}, error, nccl)
+    assert line.startswith("NCCL's watchdog aborted the communicator after a failure on a rank (NCCL communicator")
+    assert "; rank 1 aborted in all_reduce at ddp_tricks/training/loop.py:350 evaluate();" in line
+    assert "mismatch" not in line and "gloo" not in line
+    remote = RuntimeError(NCCL_REMOTE)  # a peer's abort seen by a rank whose error names no cause: said alike
+    assert failures.nccl_aborted({0: "broadcast"}, remote, None).startswith("NCCL's watchdog took a process down (")
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_that_aborted_in_a_template_read_names_the_collective_it_waited_for(tmp_path):
+    """On nccl a rank aborts (NCCL's watchdog) while its host waits in the template's read of a collective's result,
+    outside any torch.distributed call: its faulthandler stacks name the read, and its peer says the collective and
+    the caller. Broken on purpose: stacks._aborted_at without the template's marked reads fails it ("a collective
+    at ...collectives.py")."""
+    from ddp_tricks.distributed import collectives, stacks
+
+    read = collectives.sum_to_host.__code__.co_filename
+    (tmp_path / "stacks-rank0.txt").write_text(
+        f"{stacks.ABORTED}\n\nThread 0x00007f (most recent call first):\n"
+        f'  File "{read}", line 38 in sum_to_host\n'
+        f'  File "{stacks._PACKAGE / "training" / "loop.py"}", line 350 in evaluate\n'
+        f'  File "{stacks._PACKAGE.parent / "run.py"}", line 128 in train\n'
+    )
+    found = stacks.aborted_peers(tmp_path, 1, 2, wait=1.0)
+    assert found == {0: "all_reduce at ddp_tricks/training/loop.py:350 evaluate()"}
 
 
 @pytest.mark.slow
@@ -171,7 +265,7 @@ def test_torchrun_restarts_a_job_whose_rank_stopped_and_finishes_bit_identical(t
 def test_a_real_compile_raises_no_alarm(tmp_path):
     """`--compile` for real, 2 ranks, thresholds of 2 to 4 s: the first step compiles for seconds, and so does the
     epoch's last, shorter step (a recompile at step 23) and the first evaluation. The run ends normally. Broken on
-    purpose: a compile not told apart from a hang (heartbeat.compiling) fails it at step 23."""
+    purpose: a compile not told apart from a hang (stacks.compiling) fails it at step 23."""
     flags = ["--no-progress", *SHORT, "--runs-dir", tmp_path, "-n", "compiled", "--compile"]
     flags += ["--hang-timeout", "2", "--hang-factor", "2", "--heartbeat-timeout", "4"]
     result = launch(flags, env=env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "inductor"), timeout=360)  # compiles in full

@@ -2,6 +2,13 @@
 gathers, the rows of evaluation's gathered metric states (`gather_rows`), and the gather a task's loss may use
 (`gather_with_grad`: every rank's rows, gradients flowing back).
 Each is a no-op (or the value itself) in a single process without a process group.
+
+On nccl a collective returns once queued and the host waits later, where it reads the result (`.item()`,
+`.tolist()`, `.cpu()`), outside any torch.distributed call. So every function here that reads a collective's result
+on the host is marked (`stacks.waits_for`): a rank inside it waits in that collective, for the watchdog, in any
+phase (each reads a few numbers: its time is waiting, not work; a gather of whole weights to the CPU is not marked).
+They run their collectives the nccl way on gloo too (`async_op=True`, then the wait beside the read), so the CPU
+tests see what a GPU job does.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ddp_tricks.distributed.stacks import waits_for
 from ddp_tricks.errors import UserError
 
 _gathers = 0  # calls of gather_with_grad in this process: how the start-up check learns that a loss uses the ranks
@@ -25,22 +33,43 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@waits_for("all_reduce")
+def sum_to_host(tensor: torch.Tensor) -> list:
+    """Sum a tensor across ranks in place and read it on the host: its values as a (nested) list of numbers."""
+    if _distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).wait()
+    return tensor.tolist()
+
+
+@waits_for("all_gather")
+def gather_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's copy of a same-shaped tensor, stacked by rank, on the CPU (just the tensor, unsqueezed, alone)."""
+    if not _distributed():
+        return tensor.unsqueeze(0).cpu()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous(), async_op=True).wait()
+    return torch.stack(parts).cpu()
+
+
+@waits_for("all_reduce")
 def min_over_ranks(value: int, device: torch.device) -> int:
     """The smallest `value` over the ranks (the value itself for one process)."""
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    if _distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True).wait()
     return int(tensor.item())
 
 
+@waits_for("all_reduce")
 def max_over_ranks(value: int, device: torch.device) -> int:
     """The largest `value` over the ranks (the value itself for one process)."""
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    if _distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait()
     return int(tensor.item())
 
 
+@waits_for("all_reduce")
 def any_rank(flag: bool | torch.Tensor, device: torch.device, group=None) -> bool:
     """True on every rank when it is true on any rank: one decision that no rank waits behind.
 
@@ -51,8 +80,8 @@ def any_rank(flag: bool | torch.Tensor, device: torch.device, group=None) -> boo
         value = flag.reshape(1).to(torch.float32, copy=True)  # the caller's flag is not reduced in place
     else:
         value = torch.full((1,), float(flag), device="cpu" if group is not None else device)  # a fill: no copy
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    if _distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
     return bool(value.item() > 0)
 
 
@@ -72,6 +101,7 @@ def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
+@waits_for("all_gather")
 def gather_rows(tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
     """Every rank's rows of `tensor`, concatenated along the first dimension in rank order, without gradients (the
     tensor itself alone): the ranks' numbers of rows may differ (each is padded to the longest for the all-gather
@@ -81,7 +111,7 @@ def gather_rows(tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.T
     if not _distributed():
         return tensor
     if sizes is None:
-        sizes = gather_from_ranks(torch.tensor([len(tensor)], device=tensor.device)).flatten().tolist()
+        sizes = _row_counts(len(tensor), tensor.device)
     sizes = [int(n) for n in sizes]
     if max(sizes) == 0:
         return tensor
@@ -94,12 +124,22 @@ def gather_rows(tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.T
     return torch.cat([part[:n] for part, n in zip(parts, sizes)]).to(dtype)
 
 
+@waits_for("broadcast")
 def broadcast_floats(tensor: torch.Tensor) -> list[float]:
     """Rank 0's values of a small tensor, on every rank, as floats (a host sync: off the hot path)."""
     if _distributed():
         tensor = tensor.clone()
-        dist.broadcast(tensor, 0)
+        dist.broadcast(tensor, 0, async_op=True).wait()
     return tensor.tolist()
+
+
+@waits_for("all_gather")
+def _row_counts(rows: int, device: torch.device) -> list[int]:
+    """Every rank's number of rows, in rank order (one small all-gather and its host read)."""
+    counts = torch.tensor([rows], device=device)
+    parts = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, counts, async_op=True).wait()
+    return torch.cat(parts).tolist()
 
 
 def gather_objects(value) -> list:
@@ -187,7 +227,9 @@ def gather_with_grad(tensor: torch.Tensor, return_offset: bool = False):
     rows = len(tensor)
     sizes = [rows] * dist.get_world_size()
     if _uneven:
-        sizes = [int(n) for n in gather_from_ranks(torch.tensor([rows], device=tensor.device)).flatten().tolist()]
+        sizes = _row_counts(rows, tensor.device)
+    if max(sizes) == 0:  # no rank has a row (the start-up check's empty batch on the device): nothing to send
+        return (tensor, 0) if return_offset else tensor
     gathered = _Gather.apply(tensor, sizes)
     offset = sum(sizes[: dist.get_rank()])
     return (gathered, offset) if return_offset else gathered

@@ -12,9 +12,10 @@ from the main thread's stack), and on ranks 0 and N-1 (the observers) reads ever
 - no rank makes progress: every rank not finished has made none for max(--hang-factor x the slowest step seen,
   --hang-timeout) in training, or, in a phase of long legitimate work (start-up, a first step, evaluation, a
   checkpoint, figures, precise BN, and a training step before any ordinary step has been timed), for
-  --hang-timeout while waiting in a torch.distributed call. A rank working in
-  such a phase (its main thread anywhere else: torch.save, a slow evaluation), or compiling (torch.compile's
-  frames on its stack, at any step), is never counted as stuck.
+  --hang-timeout while waiting in a torch.distributed call, or in one of the template's reads of a collective's
+  result (`waits_for`: where nccl's host waits). A rank working in such a phase (its main thread anywhere else:
+  torch.save, a slow evaluation), or compiling (torch.compile's frames on its stack, at any step), is never counted
+  as stuck.
 
 Then the observer that claims the verdict asks every live rank for its stacks (stacks-rankR.txt) and its line, says
 the cause and the lines, ends a silent rank on its own host (SIGKILL: a stopped process takes no SIGTERM, and
@@ -33,21 +34,17 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import re
 import socket
-import sys
-import sysconfig
-import threading
 import time
-import traceback
 from pathlib import Path
+
+from ddp_tricks.distributed.stacks import all_stacks, collective, compiling, main_frames, where
 
 HUNG = 4  # exit code when the watchdog ends a job that hangs (failures.HUNG)
 HEARTBEAT_TIMEOUT = 30.0  # --heartbeat-timeout
 HANG_FACTOR = 10.0  # --hang-factor
 HANG_TIMEOUT = 120.0  # --hang-timeout
 ANSWER = 3.0  # seconds the observer waits for the live ranks' lines and stacks
-ABORTED = "Fatal Python error: Aborted"  # faulthandler's first line after SIGABRT
 
 _phase, _step, _moved, _slowest = "start-up", 0, time.monotonic(), 0.0
 _settings = {"run_dir": None, "heartbeat_timeout": HEARTBEAT_TIMEOUT, "factor": HANG_FACTOR, "floor": HANG_TIMEOUT}
@@ -221,7 +218,7 @@ class Heart:
         if run_dir is None:
             return ""
         path = run_dir / f"stacks-rank{self.rank}.txt"
-        text = all_stacks(self.main)
+        text = all_stacks(self.main, f"rank phase {_phase}, step {_step}")
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
@@ -308,124 +305,6 @@ def end_silent(b: dict, host: str) -> None:
             os.kill(b["pid"], 9)
         except OSError:
             pass
-
-
-def main_frames(thread_id: int) -> list:
-    """The main thread's frames, outermost first."""
-    frame = sys._current_frames().get(thread_id)
-    frames = []
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
-    return frames[::-1]
-
-
-_PACKAGE = Path(__file__).resolve().parent.parent
-_TEMPLATE = {
-    _PACKAGE.parent / name for name in ("run.py", "lars.py", "lamb.py", "lookahead.py", "customized_function.py")
-}
-_WATCH = {Path(__file__).resolve(), Path(__file__).resolve().parent / "watchdog.py"}  # never where a rank waits
-_LIBRARY = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
-
-
-def collective(frames: list) -> str:
-    """The torch.distributed call the thread waits in (all_reduce, barrier, ...), else ''."""
-    for frame in frames:
-        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            return frame.f_code.co_name
-    return ""
-
-
-def compiling(frames: list) -> bool:
-    """The thread compiles (torch.compile's Dynamo or Inductor on its stack): long work at any step, not a hang
-    (the last, shorter batch of an epoch compiles again, as does the first evaluation)."""
-    return any(("/torch/_dynamo/" in name or "/torch/_inductor/" in name) for name in map(_filename, frames))
-
-
-def _filename(frame) -> str:
-    return frame.f_code.co_filename
-
-
-def where(frames: list) -> str:
-    """The innermost frame of the user's code (task.py, an example, a --task file), else the template's stage (the
-    innermost frame of the package, under run.py's stage)."""
-    user, stage, inner = None, None, None
-    for frame in frames:  # outermost first: the user's code counts once the template has called it
-        path = Path(frame.f_code.co_filename)
-        if not path.is_absolute() or str(path.resolve()).startswith(_LIBRARY):
-            continue
-        path = path.resolve()
-        if path in _WATCH:
-            continue
-        if path.is_relative_to(_PACKAGE):
-            inner = frame
-        elif path in _TEMPLATE:
-            stage = frame
-        elif stage is not None or inner is not None:
-            user = frame
-    frame = user or inner or stage
-    if frame is None:
-        return "?"
-    text = f"{short(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}()"
-    if user is None and stage is not None and frame is not stage:
-        text = f"{short(stage.f_code.co_filename)} {stage.f_code.co_name}() > {text}"
-    return text
-
-
-def short(filename: str) -> str:
-    path = Path(filename).resolve()
-    return str(path.relative_to(_PACKAGE.parent)) if path.is_relative_to(_PACKAGE.parent) else str(path)
-
-
-def all_stacks(main_thread: int) -> str:
-    """Every thread's Python stack, the main thread first."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    frames = sys._current_frames()
-    order = sorted(frames, key=lambda ident: ident != main_thread)
-    parts = [f"rank phase {_phase}, step {_step}\n"]
-    for ident in order:
-        parts.append(f"\nThread {names.get(ident, ident)} ({ident}):\n")
-        parts.extend(traceback.format_stack(frames[ident]))
-    return "".join(parts)
-
-
-_SOME_COLLECTIVE = "a collective"  # an aborted peer whose stacks name none (yet)
-
-
-def aborted_peers(run_dir, rank: int, world_size: int, wait: float = 5.0) -> dict[int, str]:
-    """The peers whose process aborted (their stacks files start with faulthandler's "Aborted"), each with the
-    torch.distributed call its main thread was in and its first frame of user code; waits up to `wait` seconds for
-    a file to be written (the peer that aborts writes it just before it ends), and for a file being written to
-    name its collective (read half written, it names none yet: under load the reader can be that quick)."""
-    if run_dir is None:
-        return {}
-    deadline = time.monotonic() + wait
-    found: dict[int, str] = {}
-    while time.monotonic() < deadline:
-        for r in range(world_size):
-            path = Path(run_dir) / f"stacks-rank{r}.txt"
-            try:
-                text = path.read_text() if r != rank else ""
-            except OSError:
-                continue
-            if text.startswith(ABORTED):
-                found[r] = _aborted_at(text)
-        if found and all(not at.startswith(_SOME_COLLECTIVE) for at in found.values()):
-            break
-        time.sleep(0.1)
-    return found
-
-
-def _aborted_at(text: str) -> str:
-    """From faulthandler's dump: the collective the main thread was in, and the frame that called it."""
-    frames = re.findall(r'File "(.+)", line (\d+) in (\S+)', text)  # innermost first, thread by thread
-    op, caller = "", ""
-    for filename, line, function in frames:
-        if filename.endswith("distributed_c10d.py") and not op:
-            op = function
-        elif op and "/torch/" not in filename and not caller:
-            caller = f"{short(filename)}:{line} {function}()"
-    return (op or _SOME_COLLECTIVE) + (f" at {caller}" if caller else "")
 
 
 def settings() -> dict:

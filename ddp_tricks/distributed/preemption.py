@@ -8,6 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddp_tricks.distributed.stacks import waits_for
+
 _LIVE: list[Preemption] = []
 AGREE_SECONDS = 0.1  # about how often the ranks agree on a stop
 MOST_STEPS = 8  # and at most how many steps apart
@@ -65,6 +67,7 @@ class Preemption:
         self._pending = dist.all_reduce(self._value, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._steps, self._since = 0, time.perf_counter()
 
+    @waits_for("all_reduce")  # the host waits here, outside any torch.distributed call: said to the watchdog
     def _settle(self) -> bool:
         if self._pending is None:
             return False

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ddp_tricks.distributed.collectives import gather_from_ranks, gather_rows
+from ddp_tricks.distributed.stacks import waits_for
 
 
 class SparseGradients:
@@ -29,6 +30,7 @@ class SparseGradients:
         self.params = [named[name] for name in names]
         self.world_size = world_size
 
+    @waits_for("all_gather")  # its reads of the counts: where nccl's host waits
     def reduce(self) -> None:
         grads = [_coalesced(p) for p in self.params]
         counts = gather_from_ranks(torch.tensor([g._nnz() for g in grads]))  # [ranks, tables]: rows of each

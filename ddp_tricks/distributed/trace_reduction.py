@@ -1,6 +1,6 @@
 """A traced run's gradient reduction, in place of DDP's (--batch-trace, or a world size that leaves the plan's
 shares uneven: the ranks hold different numbers of a step's micro-batches, some maybe none): each rank's share of
-the step's mean gradient summed across ranks in one all-reduce, with AdaScale's gain (Johnson et al., 2020) and the
+the step's mean gradient summed across ranks in DDP-sized buckets, with AdaScale's gain (Johnson et al., 2020) and the
 noise scale's small batches read from the micro-batch gradients on the way. Here, below both the training loop and
 the original trace API (traces/original_api.py), which reduce alike.
 """
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from ddp_tricks.distributed.stacks import waits_for
 
 
 def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -64,22 +66,27 @@ class AdaScale:
         self.theta, self.sigma2, self.mu2 = state["theta"], state["sigma2"], state["mu2"]
 
 
+BUCKET_MB = 25.0  # --bucket-cap-mb: DDP's default bucket
+
+
+@waits_for("all_reduce")  # AdaScale's read of the summed norms: where nccl's host waits
 def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_norms, adascale: AdaScale | None,
-                     micro_batches: int, noise=None, batch: int = 0, loss_scale=1.0) -> float:  # fmt: skip
-    """The end of a trace step, on every rank: one all-reduce (one per gradient dtype) sums each rank's share of the
-    step's mean gradient in the gradients' own dtype (every rank takes part, also one with no micro-batch, which adds
-    exactly zero); for AdaScale or the noise scale, one more all-reduce of one float64 sums the micro-batch
-    gradients' squared norms; `p.grad` becomes the sum. The noise scale (`noise`) takes the step's micro-batches as
-    its small batches and the step's `batch` samples (or units: a device tensor) as its big one, the same on every
-    rank, on the device. Returns
+                     micro_batches: int, noise=None, batch: int = 0, loss_scale=1.0,
+                     bucket_mb: float = BUCKET_MB) -> float:  # fmt: skip
+    """The end of a trace step, on every rank: all-reduces of buckets of at most `bucket_mb` MiB (per gradient dtype,
+    as DDP's buckets: torch.cat would promote) sum each rank's share of the step's mean gradient in the gradients' own
+    dtype, in place (every rank takes part, also one with no micro-batch, which adds exactly zero); for AdaScale or
+    the noise scale, one more all-reduce of one float64 sums the micro-batch gradients' squared norms; `p.grad`
+    becomes the sum. The noise scale (`noise`) takes the step's micro-batches as its small batches and the step's
+    `batch` samples (or units: a device tensor) as its big one, the same on every rank, on the device. Returns
     AdaScale's gain (one host sync), or 1."""
     apart = adascale is not None or noise is not None
     if apart and not isinstance(sq_norms, torch.Tensor):  # a rank with no micro-batch: a fill, no host copy
         sq_norms = torch.full((), float(sq_norms), dtype=torch.float64, device=params[0].device)
     extras = [sq_norms.to(torch.float64).reshape(1)] if apart else []
     if dist.is_available() and dist.is_initialized():
-        for dtype in dict.fromkeys(g.dtype for g in grads):  # a flat buffer per dtype: torch.cat would promote
-            _all_reduce_flat([g for g in grads if g.dtype == dtype])
+        for bucket in buckets(grads, int(bucket_mb * 2**20)):
+            _all_reduce_flat(bucket)
         # apart from the gradients, in float64: AdaScale's variance is the difference of two near-equal sums
         for extra in extras:
             dist.all_reduce(extra)
@@ -97,8 +104,29 @@ def reduce_gradients(params: list[torch.Tensor], grads: list[torch.Tensor], sq_n
     return adascale.update(sum_sq, mean_sq, micro_batches)
 
 
+def buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """The tensors in buckets of one dtype and at most `cap_bytes` each, in order (a tensor larger than the cap is a
+    bucket of its own, reduced in place with no copy): DDP's bucketing, so a step's reduction holds one bucket more
+    than the gradients, never a flat copy of them all."""
+    found: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for t in tensors:
+        open_bucket = found.setdefault(t.dtype, [[]])
+        nbytes = t.numel() * t.element_size()
+        if open_bucket[-1] and sizes[t.dtype] + nbytes > cap_bytes:
+            open_bucket.append([])
+            sizes[t.dtype] = 0
+        open_bucket[-1].append(t)
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + nbytes
+    return [bucket for per_dtype in found.values() for bucket in per_dtype]
+
+
 def _all_reduce_flat(tensors: list[torch.Tensor]) -> None:
-    """Sum tensors of one dtype across ranks in place, in one all-reduce of one flat buffer of that dtype."""
+    """Sum tensors of one dtype across ranks in place, in one all-reduce (of the tensor itself when it is alone and
+    contiguous, else of one flat buffer of that dtype, copied back)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0])
+        return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat)
     torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
@@ -107,44 +135,56 @@ def _all_reduce_flat(tensors: list[torch.Tensor]) -> None:
 class TraceReduction:
     """A traced (or unevenly shared) run's gradient reduction, in place of DDP's (the model is not DDP-wrapped): each
     rank's micro-batch losses are divided by the step's global batch B and their gradients summed, then summed across
-    ranks: the exact mean gradient over the B samples, however unevenly the ranks hold them."""
+    ranks: the exact mean gradient over the B samples, however unevenly the ranks hold them. With AdaScale or the
+    noise scale, each micro-batch's gradient is read by a hook on each parameter as autograd hands it over, before it
+    is added into `.grad` (its squared norm, on the device): no copy of the gradients is kept, so a step holds the
+    gradients and one bucket of the reduction (`bucket_mb`, --bucket-cap-mb), as DDP does."""
 
-    def __init__(
-        self, params: list[torch.Tensor], micro_batch: int, adascale: AdaScale | None = None, noise=None, slots: int = 0
-    ):
+    def __init__(self, params: list[torch.Tensor], micro_batch: int, adascale: AdaScale | None = None, noise=None,
+                 slots: int = 0, bucket_mb: float = BUCKET_MB):  # fmt: skip
         self.params = params
         self.micro_batch = micro_batch
         self.slots = slots  # uneven shares: the micro-batches of every step (a short last one's too); 0: traced
         self.adascale = adascale
         self.noise = noise  # the gradient noise scale's estimator (training/noise.py), or None
-        self._accumulated: list[torch.Tensor] | None = None
+        self.bucket_mb = bucket_mb
         self._sq_norms = 0.0
+        self._seen: dict[int, torch.Tensor] = {}  # |a parameter's gradient| in this backward, by its place
+        self._handles = [p.register_hook(self._reader(i)) for i, p in enumerate(params)] if self.apart else []
+
+    @property
+    def apart(self) -> bool:
+        """Each micro-batch's gradient is read apart (AdaScale or the noise scale)."""
+        return self.adascale is not None or self.noise is not None
+
+    def _reader(self, place: int):
+        def read(grad: torch.Tensor) -> None:  # this backward's gradient of the parameter, before it is accumulated
+            self._seen[place] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+
+        return read
 
     def after_backward(self, weight: float | torch.Tensor) -> None:
-        """With AdaScale or the noise scale, each micro-batch's gradient is kept apart for its squared norm; else
-        grads accumulate. `weight`: what the micro-batch's mean loss was multiplied by (its share of the step: b / B
-        samples, or its units over the step's)."""
-        if self.adascale is None and self.noise is None:
+        """With AdaScale or the noise scale, the micro-batch's squared norm (of the gradients its backward handed the
+        hooks: a parameter it did not use adds none), divided by `weight`^2: the micro-batch's mean loss was
+        multiplied by `weight` (its share of the step: b / B samples, or its units over the step's)."""
+        if not self.apart:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        # the micro-batch's mean gradient g_j = grad / its share
-        self._sq_norms = self._sq_norms + squared_norm(grads) / (weight * weight)
-        if self._accumulated is None:
-            self._accumulated = [torch.zeros_like(p) for p in self.params]
-        torch._foreach_add_(self._accumulated, grads)
-        for p in self.params:
-            p.grad = None
+        if self._seen:
+            norms = torch.stack(list(self._seen.values()))
+            self._sq_norms = self._sq_norms + torch.linalg.vector_norm(norms, dtype=torch.float64).square() / (
+                weight * weight
+            )
+        self._seen = {}
 
     def finish(self, batch: int, loss_scale=1.0, units=None) -> float:
         """All-reduce the step's gradients into p.grad; return AdaScale's gain (or 1). `loss_scale`: fp16's, which
         the noise scale's squared norms are divided by; `units`: the step's units over every rank (the task's
         units(), a device tensor), the noise scale's batch sizes (default: the `batch` samples)."""
-        if self._accumulated is not None:
-            grads = self._accumulated
-        else:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         count = self.slots or -(-batch // self.micro_batch)
         big = batch if units is None else units
-        gain = reduce_gradients(self.params, grads, self._sq_norms, self.adascale, count, self.noise, big, loss_scale)
-        self._accumulated, self._sq_norms = None, 0.0
+        gain = reduce_gradients(
+            self.params, grads, self._sq_norms, self.adascale, count, self.noise, big, loss_scale, self.bucket_mb
+        )
+        self._sq_norms = 0.0
         return gain

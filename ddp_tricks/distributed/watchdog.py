@@ -270,6 +270,30 @@ def lost_peer(error: BaseException) -> str | None:
     return None
 
 
+# what NCCL's own abort says (ProcessGroupNCCL's watchdog, on a collective past --dist-timeout, an NCCL error or a CUDA
+# error it found; on the ranks it did not end, the communicator it aborted), and the cause each names, first match
+NCCL_ABORTS = (
+    ("Watchdog caught collective operation timeout", "NCCL's watchdog: a collective ran past --dist-timeout"),
+    ("Process group watchdog thread terminated with exception: CUDA error", "NCCL's watchdog found a CUDA error"),
+    ("NCCL communicator was aborted", "NCCL's watchdog aborted the communicator after a failure on a rank"),
+    ("Some NCCL operations have failed or timed out", "NCCL's watchdog: a collective failed or timed out"),
+    ("Process group watchdog thread terminated", "NCCL's watchdog ended"),
+    ("NCCL error", "an NCCL error"),
+)
+
+
+def nccl_abort(error: BaseException) -> str | None:
+    """The cause and first line of an error that NCCL's own abort raised (its watchdog: a collective past
+    --dist-timeout, an NCCL or a CUDA error it found, a communicator it aborted), else None."""
+    text = str(error).strip()
+    if not isinstance(error, RuntimeError):  # DistBackendError is one
+        return None
+    for words, cause in NCCL_ABORTS:
+        if words in text:
+            return f"{cause} ({text.splitlines()[0][:160]})"
+    return None
+
+
 def leave(code: int, said: bool = True) -> int:
     """After `fail()`: end this process now with the job's exit code (the first failure's), without a teardown.
     Unwatched (one process, no group), the code is returned for the caller to exit with; before the group, a

@@ -25,6 +25,7 @@ from ddp_tricks.distributed.collectives import (
     any_rank,
     broadcast_buffers,
     gather_rows,
+    sum_to_host,
     uneven_rows,
 )
 from ddp_tricks.distributed.wrap import accumulating, name_unused_parameters
@@ -252,7 +253,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     units = torch.as_tensor(t.epoch_units, dtype=torch.float64, device=t.device).reshape(1)
     counts = torch.tensor([t.epoch_samples, t.epoch_samples - start_sums[-1].item()], dtype=torch.float64)
     averages = [t.noise.corrected()] if t.noise is not None else []  # the ranks' moving averages, summed alike
-    reduced = all_reduce_sum(torch.cat([running, units, counts.to(t.device), *averages])).tolist()
+    reduced = sum_to_host(torch.cat([running, units, counts.to(t.device), *averages]))
     split = len(reduced) - 2 * len(averages)
     *total, units_all, samples_all, samples_now = reduced[:split]
     measured = noise.report(reduced[split:], t.world_size) if averages else {}
@@ -350,7 +351,7 @@ def evaluate(t: Training, loader) -> dict[str, float]:
         if counted[k]:  # a leftover batch on another rank than 0: the same evaluation, its states discarded
             sums[:-1] += states
             sums[-1] += units
-    *total, units = all_reduce_sum(sums).tolist()
+    *total, units = sum_to_host(sums)
     gathered = {name: gather_rows(torch.cat(parts)) for name, parts in rows.items()}  # rank order: any order
     return report(t.task, layout, "val", total, units, gathered, loss=t.scoring is None)
 

@@ -13,7 +13,7 @@ from torch import nn
 from ddp_tricks.data.loaders import batch_of
 from ddp_tricks.distributed.collectives import gather_calls
 from ddp_tricks.errors import UserError
-from ddp_tricks.training.batches import describe, float_outputs, no_rows
+from ddp_tricks.training.batches import describe, float_outputs
 from ddp_tricks.training.metric_states import Layout, report
 
 CHECKED = 4  # the training samples every check runs on
@@ -339,11 +339,9 @@ def check_unused_parameters(task, model: nn.Module, dataset, collate=None) -> No
 
 def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: bool = False) -> bool:
     """Whether the task's loss, metric sums or score() gather from every rank (call gather_with_grad), found on the
-    check batch before any process group (where the gather is the identity). Such a task must also take a batch of
-    no sample, which a rank that holds no sample of a validation batch (a set smaller than its batches x the ranks)
-    runs through its evaluation (the model in eval mode, then score(), or loss() and metric_sums()) while the others
-    run theirs; a traced run, whose ranks run different
-    numbers of micro-batches, would leave a gather waiting. Either is one line here."""
+    check batch before any process group (where the gather is the identity). A traced run, whose ranks run different
+    numbers of micro-batches, would leave a gather waiting: one line here. (Evaluation needs nothing more: every rank
+    runs the same batches of equal rows, loaders.EvalSampler.)"""
     indices = list(range(min(CHECKED, len(dataset))))
     inputs, targets = batch_of(dataset, indices, collate)
     before = gather_calls()
@@ -367,20 +365,6 @@ def check_global_loss(task, model: nn.Module, dataset, collate=None, traced: boo
                     "ranks different numbers of micro-batches, so a gather would wait for a rank that never comes: "
                     "drop --batch-trace"
                 )
-            empty_inputs, empty_targets = no_rows(inputs, len(indices)), no_rows(targets, len(indices))
-            pieces = "score()" if scored else "loss() and metric_sums()"
-            fix = f"make the model and {pieces} take a batch of 0 samples (a mean over none is NaN: fine)"
-            why = "the task's evaluation gathers from every rank, so a rank with no sample of a validation batch runs"
-            problem = f"{why} an empty batch through its model, which fails"
-            outputs = _call(lambda x, _: model(x), empty_inputs, None, problem, fix)
-            outputs = float_outputs(outputs)
-            if scored:
-                _call(task.score, outputs, empty_targets, f"{why} an empty batch through its score(), which fails", fix)
-                return True
-            _call(task.loss, outputs, empty_targets, f"{why} an empty batch through its loss(), which fails", fix)
-            if hasattr(task, "metric_sums"):
-                problem = f"{why} an empty batch through its metric_sums(), which fails"
-                _call(task.metric_sums, outputs, empty_targets, problem, fix)
         finally:
             model.train(training)
     return True

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from customized_function import EarlyStopping
-from ddp_tricks.distributed.collectives import gather_from_ranks, gather_objects
+from ddp_tricks.distributed.collectives import gather_objects, gather_to_host
 from ddp_tricks.distributed.fsdp import is_sharded
 from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import TraceReduction
@@ -202,7 +202,7 @@ class Training:
             bad = weights_bad if bad is None else bad | weights_bad
         if bad is None:
             return
-        flags = gather_from_ranks(bad.reshape(1).to(torch.float32)).flatten().tolist()
+        flags = gather_to_host(bad.reshape(1).to(torch.float32)).flatten().tolist()
         if any(flags):
             raise NonFiniteLoss(self.epoch, self.global_step, flags.index(1.0))
 
@@ -228,7 +228,7 @@ class Training:
             device = self.epoch_sums.device
             units = torch.as_tensor(self.epoch_units, dtype=torch.float64, device=device).reshape(1)
             samples = torch.tensor([float(self.epoch_samples)], dtype=torch.float64, device=device)
-            sums = gather_from_ranks(torch.cat([self.epoch_sums, units, samples])).cpu()
+            sums = gather_to_host(torch.cat([self.epoch_sums, units, samples]))
         adascale = self.adascale
         return {
             "model": self.raw_model.state_dict(),
@@ -238,7 +238,7 @@ class Training:
             "scaler": self.precision.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping is not None else None,
             "adascale": adascale.state_dict() if adascale is not None else None,
-            "noise": gather_from_ranks(self.noise.packed()).cpu() if self.noise is not None else None,  # per rank
+            "noise": gather_to_host(self.noise.packed()) if self.noise is not None else None,  # per rank
             "epoch": self.completed_epochs,
             "step_in_epoch": self.step_in_epoch if mid_epoch else 0,  # optimizer steps taken in epoch `epoch + 1`
             "epoch_sums": sums,  # each rank's running [loss x units, *metric sums, units, samples], mid-epoch only
