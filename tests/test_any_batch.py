@@ -17,7 +17,7 @@ from torch import nn
 
 import run
 from ddp_tricks import cli
-from ddp_tricks.training.batches import describe, float_outputs, no_rows, to_device
+from ddp_tricks.training.batches import describe, float_outputs, to_device
 
 Pair = collections.namedtuple("Pair", "logits extra")
 
@@ -40,9 +40,6 @@ def test_structures_move_cast_and_count_as_a_whole():
     cast = float_outputs(half)
     assert isinstance(cast, Pair) and cast.logits.dtype == torch.float32  # autocast's half types become float32
     assert cast.extra["d"].dtype == torch.float64  # nothing else changes
-    boxes = [{"boxes": torch.zeros(k, 4)} for k in (2, 0, 5)]  # one dict per sample: the list is emptied
-    empty = no_rows({"images": torch.zeros(3, 2), "targets": boxes}, 3)
-    assert empty["images"].shape == (0, 2) and empty["targets"] == []
     assert describe({"tokens": torch.zeros(4, 9, dtype=torch.long)}) == "dict(tokens: tensor (4, 9) int64)"
 
 

@@ -69,26 +69,6 @@ def detached(value):
     return value.detach() if isinstance(value, torch.Tensor) else map_tensors(torch.Tensor.detach, value)
 
 
-def no_rows(value, samples: int | None = None):
-    """The batch with none of its samples: every tensor of at least one dimension cut to its first 0 rows, and every
-    list of `samples` items (one item per sample: images, dicts of boxes) emptied (the evaluation's uncounted batch
-    on a rank that holds no sample of a round, and the start-up check of a loss that gathers from every rank)."""
-    if isinstance(value, list) and samples is not None and len(value) == samples:
-        return []
-    if isinstance(value, torch.Tensor):
-        return value[:0] if value.dim() > 0 else value
-    if isinstance(value, Mapping) or (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")):
-        items = value.items() if isinstance(value, Mapping) else enumerate(value)
-        emptied = {key: no_rows(item, samples) for key, item in items}
-        if isinstance(value, Mapping):
-            try:
-                return type(value)(emptied)
-            except TypeError:
-                return emptied
-        return type(value)(emptied.values())
-    return map_tensors(lambda tensor: tensor[:0] if tensor.dim() > 0 else tensor, value)
-
-
 def describe(value) -> str:
     """A batch in a message: `tensor (4, 1, 8, 8) float32`, `dict(tokens: tensor (4, 37) int64, ...)`."""
     if isinstance(value, torch.Tensor):
