@@ -26,12 +26,14 @@ import os
 import re
 import signal
 import threading
+import weakref
 
 from torch.utils.data import DataLoader
 
 from customized_function import seed_worker
 
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_ITERATORS: weakref.WeakSet = weakref.WeakSet()  # the Loaders' iterators that started workers
 _CAN_BLOCK = hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigwaitinfo")  # POSIX; not Windows
 
 # torch's words for a worker that died: killed by a signal (the OOM killer's SIGKILL, a segfault in a C transform),
@@ -53,9 +55,11 @@ class Loader(DataLoader):
         # the interpreter runs its Python handler in the main thread as before.
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         try:
-            return super().__iter__()
+            batches = super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _ITERATORS.add(batches)  # its worker processes: how one that "exited unexpectedly" ended (died)
+        return batches
 
 
 def worker_init(worker_id: int) -> None:
@@ -76,6 +80,16 @@ def _take_signals(owners: set[int]) -> None:
             os._exit(0)  # the DataLoader ends its worker: what torch's own handler does for the parent's SIGTERM
 
 
+def _killed_by(pids: set[int]) -> str | None:
+    """The signal that ended one of these worker processes, as torch names it ("Killed"), if a signal did."""
+    for batches in list(_ITERATORS):
+        for process in getattr(batches, "_workers", ()):  # torch's iterator's worker processes
+            code = process.exitcode if process.pid in pids else None
+            if code is not None and code < 0:
+                return signal.strsignal(-code)
+    return None
+
+
 def died(error: BaseException) -> str | None:
     """What a DataLoader error says of a worker that died (its process id, and the signal that killed it), in a
     sentence; None for any other error (an exception raised in a worker, a transform's bug, keeps its traceback)."""
@@ -83,6 +97,8 @@ def died(error: BaseException) -> str | None:
     if found is None:
         return None
     pids, signal_name = found[1].strip().rstrip(","), found[3]
+    if not signal_name:  # torch found it gone before its SIGCHLD handler said how: the process knows
+        signal_name = _killed_by({int(pid) for pid in pids.split(",")})
     how = f"was killed by signal {signal_name.strip()}" if signal_name else f"exited unexpectedly{found[4] or ''}"
     why = " (SIGKILL: the out-of-memory killer, most often)" if signal_name and "Killed" in signal_name else ""
     return f"a DataLoader worker of this rank (pid {pids}) {how}{why}"
