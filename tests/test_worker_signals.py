@@ -263,7 +263,7 @@ def test_a_worker_killed_by_sigkill_is_one_line_naming_it(tmp_path):
     RuntimeError traceback)."""
     args = ["--task", "tests/worker_tasks.py:WorkerKilled", "-b", "16", "-e", "1", "--workers", "2", "--no-progress"]
     result = launch([*args, "-n", "killed", "--runs-dir", str(tmp_path)], timeout=150)
-    assert result.exitcodes == [1, 1], (result.exitcodes, result.stderr[-3000:])
+    assert result.exitcodes == [1, 1], (result.exitcodes, result.stdout[-1000:], result.stderr[-3000:])
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr[-3000:]
     assert re.fullmatch(
