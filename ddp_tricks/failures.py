@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 from ddp_tricks import cli
+from ddp_tricks.data import workers
 from ddp_tricks.distributed import heartbeat, stacks, watchdog
 from ddp_tricks.errors import UserError, report
 from ddp_tricks.storage import checkpoint
@@ -49,7 +50,10 @@ def user_error(error: UserError, rank: int) -> int:
 def bug(error: BaseException, flags, rank: int) -> int:
     """Anything else, with a process group: the first rank that fails shows its traceback, or says that another
     process of the job is gone (its own error is then only the echo of that), and the others end quietly. Without
-    a group it is raised as it is."""
+    a group it is raised as it is. A DataLoader worker that died is no bug of the run's: one line (worker_died)."""
+    lost_worker = workers.died(error)
+    if lost_worker is not None:
+        return worker_died(lost_worker, flags, rank)
     if not watchdog.active():
         raise error
     if watchdog.fail(BUG):
@@ -61,16 +65,29 @@ def bug(error: BaseException, flags, rank: int) -> int:
         elif aborted:  # it aborted in a collective: gloo's "Received data size doesn't match expected size"
             report(f"on rank {rank}: {mismatch(aborted, error)}")
         elif gone:
-            restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-            restarts = restarts and getattr(flags, "resume", None) == "auto"
-            then = "torchrun restarts the job from the last checkpoint" if restarts else "resume it with -n NAME"
             report(
-                f"on rank {rank}: another process of the job is gone (killed, or its node lost: {gone}); "
-                f"{then}{'' if restarts else ' --resume auto'}"
+                f"on rank {rank}: another process of the job is gone (killed, or its node lost: {gone}); {_then(flags)}"
             )
         else:
             traceback.print_exception(error)
     return watchdog.leave(BUG)
+
+
+def worker_died(what: str, flags, rank: int) -> int:
+    """A DataLoader worker that died (the out-of-memory killer's SIGKILL, a crash in a transform's C code): a failure,
+    neither a bug of the run's nor a preemption, said as one line naming the worker, the rank and how to go on."""
+    if watchdog.fail(BUG):
+        log = Path(flags.run_dir) / "train.log" if getattr(flags, "run_dir", None) else None
+        report(f"on rank {rank}: {what}; {_then(flags)}", log)
+    return watchdog.leave(BUG)
+
+
+def _then(flags) -> str:
+    """How a run that lost a process goes on: torchrun restarts it (--max-restarts, with --resume auto), or a resume."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if restarts and getattr(flags, "resume", None) == "auto":
+        return "torchrun restarts the job from the last checkpoint"
+    return "resume it with -n NAME --resume auto"
 
 
 def mismatch(aborted: dict[int, str], error: BaseException) -> str:

@@ -157,6 +157,7 @@ def _run_script(script, args, environ, cwd, out, err):
     server's, and the hash seed is the server's."""
     _die_with_the_fork_server()
     _signals_as_torchrun_s_worker()
+    multiprocessing.set_start_method(None, force=True)  # a fresh interpreter's (its DataLoader workers'), not ours
     os.setsid()
     os.environ.clear()
     os.environ.update(environ)

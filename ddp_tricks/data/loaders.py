@@ -1,5 +1,6 @@
 """Samplers and loaders: each epoch's training micro-batches as the plan lists them (a batch sampler), the exact
 evaluation split (equal rows on every rank in every batch, each validation sample counted once), and their seeds.
+Their worker processes leave SIGTERM and SIGINT to the rank's main process (workers.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from customized_function import seed_worker
 from ddp_tricks.data.in_memory import InMemoryDataset
+from ddp_tricks.data.workers import Loader, worker_init
 from ddp_tricks.errors import UserError
 
 
@@ -135,7 +136,7 @@ def _options(dataset: Dataset, workers: int, prefetch_factor: int, device: torch
         num_workers=workers,
         pin_memory=device.type == "cuda",
         generator=torch.Generator().manual_seed(seed),
-        worker_init_fn=seed_worker,
+        worker_init_fn=worker_init,  # signals left to the rank's main process, then seed_worker
         collate_fn=_collate_fn(dataset, collate),
     )
     if workers > 0:
@@ -155,7 +156,7 @@ def train_loader(
     """The training loader: its `batch_sampler` (a PlanSampler) is pointed at each epoch's steps by the loop.
     Workers get seed + rank, so augmentation differs between ranks. `collate`: the task's, when it has one."""
     options = _options(dataset, workers, prefetch_factor, device, seed + rank, collate)
-    return DataLoader(dataset, batch_sampler=PlanSampler(), **options)
+    return Loader(dataset, batch_sampler=PlanSampler(), **options)
 
 
 def val_loader(
@@ -174,7 +175,7 @@ def val_loader(
     task's loss() or metric_sums() calls once per batch meets every rank's, with the same shapes."""
     sampler = EvalSampler(len(dataset), world_size, rank, batch_size)
     options = _options(dataset, workers, prefetch_factor, device, seed, collate)
-    return DataLoader(dataset, batch_sampler=sampler, **options)
+    return Loader(dataset, batch_sampler=sampler, **options)
 
 
 def batch_sizes(loader: DataLoader):
