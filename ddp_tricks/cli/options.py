@@ -28,6 +28,7 @@ def plan_options(flags: argparse.Namespace) -> dict:
         "lr_power": flags.lr_power,
         "step_epochs": flags.step_epochs,
         "drop_last": flags.drop_last,
+        "max_steps": flags.max_steps,
     }
 
 
@@ -82,6 +83,7 @@ def check_options(flags: argparse.Namespace) -> dict:
         "sync_bn": flags.sync_bn,
         "noise_scale": flags.noise_scale,
         "noise_scale_every": flags.noise_scale_every,
+        "count_flops": flags.log_interval > 0 and not (flags.eval_only or flags.plot_lr),
     }
 
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.plan import Plan
-from ddp_tricks.training import auto_batch, cached, seam
+from ddp_tricks.training import auto_batch, cached, flops, seam
+from ddp_tricks.training.flops import Flops
 from ddp_tricks.training.metric_states import Layout
 
 
@@ -33,6 +34,7 @@ class Setup:
     sync_bn: bool = False  # --sync-bn
     noise_scale: bool = True  # not --no-noise-scale
     noise_scale_every: int = 1  # --noise-scale-every: measured on every K-th optimizer step
+    count_flops: bool = False  # a training run with per-step rows: a step's FLOPs counted (flops.py)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Findings:
     groups: tuple[dict, ...] = ()  # the task's param_groups(), by parameter name (seam.param_groups); () : none
     shard_line: str | None = None  # --strategy fsdp: the units, for the start line (fsdp.describe_units)
     noise_every: int = 1  # the noise scale is measured on every K-th optimizer step (a traced run: every step)
+    flops: Flops | None = None  # a training step's FLOPs per sample, counted (None: not counted)
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -64,6 +67,7 @@ class Findings:
     def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
         """What the run's log says about them at its start."""
         notes = [self.shard_line] if self.shard_line else []
+        notes += [self.flops.describe()] if self.flops is not None else []
         if self.measures_noise:
             notes.append(auto_batch.describe(plan, self.own_units, self.noise_every))
         elif noise_flag:
@@ -160,4 +164,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         groups,
         shard_line,
         noise_every=1 if plan.manual_reduction else setup.noise_scale_every,
+        flops=flops.of_task(task, model, dataset, collate, plan.micro_batch) if setup.count_flops else None,
     )
