@@ -39,7 +39,7 @@ from ddp_tricks.optim import build as optimizers
 from ddp_tricks.schedules import decay_kind, schedule
 from ddp_tricks.storage import checkpoint, run_folder, step_log
 from ddp_tricks.traces import batch_trace
-from ddp_tricks.training import auto_batch, loop, preflight
+from ddp_tricks.training import auto_batch, loop, preflight, step_evaluations
 from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Best, NonFiniteLoss, Training
@@ -102,7 +102,7 @@ def run(flags, task, process: launch.Launch) -> int:
     folder = run_folder.RunFolder(Path(flags.run_dir), dist.is_main, run_folder.metric_columns(task, t.ema is not None))
     record = vars(flags) | plan.summary() | {"val_samples": len(val_set), "task_info": run_folder.task_info(task)}
     record["task_metrics"] = run_folder.task_metrics(task)
-    folder.start(record, t.completed_epochs, flags.overwrite, flags.tensorboard, new_run=trains)
+    folder.start(record, t.completed_epochs, flags.overwrite, flags.tensorboard, trains, t.global_step)
     preemption = Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(collectives.gather_objects(os.getpid()))
     log.info(
@@ -126,8 +126,7 @@ def run(flags, task, process: launch.Launch) -> int:
         return 0
     train_loader, val_loader = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
     if flags.eval_only:
-        row = {"epoch": t.completed_epochs, "step": t.global_step, "lr": t.lr} | loop.evaluate(t, val_loader)
-        row |= loop.evaluate_ema(t, val_loader)  # --model-ema: the EMA's weights, the same way
+        row = step_evaluations.metrics_row(t, val_loader)
         folder.append(row, "eval.csv")  # beside the run's metrics.csv, never into it
         log.info("eval-only: %s -> %s", run_folder.describe(row), folder.path / "eval.csv")
         return 0
@@ -141,6 +140,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
     checkpoints = checkpoint.Checkpoints(
         folder.path, t.rank == 0, flags.checkpoint_every_steps, preemption, vars(flags), flags.strategy, plan.summary()
     )
+    evals = step_evaluations.StepEvaluations(flags.eval_every_steps, val_loader, folder, checkpoints, rows)
     for epoch in range(t.completed_epochs + 1, plan.epochs + 1):
         if plan.auto and t.step_in_epoch == 0:  # --batch-trace auto: the epoch's batch, from the noise scale
             plan = auto_batch.grow(plan, t.noise.agreed_scale(t.units_per_sample), t.global_step, epoch)
@@ -148,14 +148,15 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
         steps = plan.epoch(epoch, t.rank, first_trace_step=t.global_step - t.step_in_epoch)
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
         with rows.epoch(epoch, len(steps), first_step, t.global_step, f"epoch {epoch}/{plan.epochs}"):
-            result = loop.train_one_epoch(t, steps, train_loader, first_step, rows, checkpoints.after_step)
+            result = loop.train_one_epoch(t, steps, train_loader, first_step, rows, evals)
+        if result is None and t.stopped_early:  # --eval-every-steps: stopped mid-epoch, its checkpoint written
+            break
         if result is None:
             log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.global_step}", flags.strategy))
             log.info(t.describe_steps())
             return failures.PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
-        row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | loop.evaluate(t, val_loader)
-        row |= loop.evaluate_ema(t, val_loader)
+        row = step_evaluations.metrics_row(t, val_loader) | result
         row |= {"world_size": t.world_size, "accum_steps": plan.accum_steps}  # the layout that ended the epoch
         improved = t.end_epoch(row)  # plateau, best and early stopping, on the monitored metric
         folder.append(row)
@@ -169,7 +170,6 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
             log.info(checkpoint.preempted(f"after epoch {epoch}", flags.strategy))
             log.info(t.describe_steps())
             return failures.PREEMPTED
-
     if t.rank == 0:
         heartbeat.phase("figures")  # long work on rank 0 alone: not a hang
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)

@@ -85,3 +85,64 @@ def _rows_through(folder, step: int) -> bool:
 def test_a_max_steps_mistake_is_one_line(flags, says, tmp_path):
     result = python_run([*flags, "--runs-dir", str(tmp_path)])
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+EVAL_EVERY = ["-e", "1", "-b", "16", "--log-interval", "5", "--no-progress", "--scheduler", "constant"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """2 ranks, one epoch of 45 steps, --eval-every-steps 15; and the same run stopped by --max-steps 15."""
+    runs = tmp_path_factory.mktemp("evals")
+    every = launch([*EVAL_EVERY, "--eval-every-steps", "15", "--runs-dir", str(runs), "-n", "every"], nproc=2)
+    assert every.returncode == 0, every.stderr[-3000:]
+    args = [a for a in EVAL_EVERY if a not in ("-e", "1")]
+    first = launch([*args, "--max-steps", "15", "--runs-dir", str(runs), "-n", "first"], nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("step-evaluations")
+def test_eval_every_steps_gives_a_validation_row_per_evaluation_as_a_run_ending_there_would(evaluated):
+    """Steps 15 and 30 mid-epoch, 45 at its end: 3 rows; step 15's validation equals that of a run that ends at step
+    15 (--max-steps 15: the same weights, evaluated at its epoch's end). Broken on purpose: StepEvaluations skipping
+    its evaluation (`self.every and` as `False and`) fails it (one row)."""
+    rows = rows_of(evaluated / "every" / "metrics.csv")
+    assert [(int(r["epoch"]), int(r["step"])) for r in rows] == [(1, 15), (1, 30), (1, 45)]
+    (ended,) = rows_of(evaluated / "first" / "metrics.csv")
+    assert int(ended["step"]) == 15
+    assert (rows[0]["val_loss"], rows[0]["val_acc"]) == (ended["val_loss"], ended["val_acc"])
+    assert rows[-1]["train_loss"] != "nan" and rows[0]["train_loss"] == "nan"  # mid-epoch rows: validation only
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("step-evaluations")
+def test_eval_every_steps_stopped_and_resumed_writes_the_same_rows_once(evaluated, tmp_path):
+    """SIGTERM after step 15's evaluation, then --resume auto: metrics.csv holds the uninterrupted run's three rows,
+    each once, with its values. Broken on purpose: a resume dropping every row of the epoch it continues
+    (`run_folder.kept` without its mid-epoch case) fails it (step 15's row is gone)."""
+    folder = tmp_path / "cut"
+    args = [*EVAL_EVERY, "--eval-every-steps", "15", "--runs-dir", str(tmp_path), "-n", "cut"]
+    preempted(args, folder / "last.pt", ready=lambda: _rows_through(folder, 20))
+    shutil.copy(folder / "last.pt", tmp_path / "saved.pt")
+    resumed = launch([*args, "--resume", "auto"], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed(resumed.stdout, tmp_path / "saved.pt", 45)
+    assert 15 < saved_state(tmp_path / "saved.pt")["global_step"] < 45  # stopped mid-epoch, after step 15
+    assert _values(rows_of(folder / "metrics.csv")) == _values(rows_of(evaluated / "every" / "metrics.csv"))
+
+
+def _values(rows: list[dict]) -> list[dict]:
+    """The rows' deterministic columns (not their timings)."""
+    kept = ("epoch", "step", "lr")
+    return [{k: v for k, v in r.items() if k in kept or k.startswith(("train_", "val_"))} for r in rows]
+
+
+@pytest.mark.timeout(120)
+def test_eval_every_steps_below_zero_is_one_line(tmp_path):
+    result = python_run(["--eval-every-steps", "-1", "--runs-dir", str(tmp_path)])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "--eval-every-steps must be >= 0" in result.stderr

@@ -23,6 +23,14 @@ def add_step_flags(p: argparse.ArgumentParser) -> None:
         "the LR schedule's length is N); 0: --epochs",
     )
     g.add_argument(
+        "--eval-every-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also evaluate every K optimizer steps (a metrics.csv row each; best.pt, early stopping and plateau "
+        "follow each evaluation, their patience in evaluations); 0: at epoch ends only",
+    )
+    g.add_argument(
         "--log-interval",
         type=int,
         default=20,
@@ -52,6 +60,8 @@ def check_step_flags(cfg: argparse.Namespace, given: set[str] | frozenset[str] =
     """Impossible values, --max-steps beside -e (`given`: the flags spelled out), --wandb without its package."""
     if cfg.max_steps < 0:
         raise UserError(f"--max-steps must be >= 0 (0: the run is --epochs long), got {cfg.max_steps}")
+    if cfg.eval_every_steps < 0:
+        raise UserError(f"--eval-every-steps must be >= 0 (0: at epoch ends only), got {cfg.eval_every_steps}")
     if cfg.max_steps and "epochs" in given:
         raise UserError("--max-steps sets the run's length in place of --epochs: give one of them")
     if cfg.log_interval < 0:

@@ -156,6 +156,10 @@ class StepLog:
     def _units_now(self, t) -> torch.Tensor:
         return torch.as_tensor(t.epoch_units, dtype=torch.float64, device=self.device).reshape(1)
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (a mid-epoch evaluation's) out of the window's time."""
+        self._time += seconds
+
     def measure(self, t, params: list[torch.Tensor]) -> None:
         """Before the optimizer step of a row (it zeroes the gradients): their norm, unless clipping measures it.
         An fp16 step's gradients are scaled: divided by the scale here, on the device."""

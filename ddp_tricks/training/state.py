@@ -158,14 +158,19 @@ class Training:
         return self.early_stopping is not None and self.early_stopping.early_stop
 
     def end_epoch(self, row: dict) -> bool:
-        """After an epoch's evaluation: the schedule, the best value and early stopping see the monitored metric
-        (reduced across ranks: every rank decides the same). True when it is a new best."""
+        """After an epoch's evaluation: `after_evaluation`, and the epoch is done. True when it is a new best."""
+        improved = self.after_evaluation(row)
+        self.completed_epochs, self.step_in_epoch = self.epoch, 0
+        return improved
+
+    def after_evaluation(self, row: dict) -> bool:
+        """After an evaluation (an epoch's, or --eval-every-steps'): the schedule, the best value and early stopping
+        see the monitored metric (reduced across ranks: every rank decides the same). True when it is a new best."""
         monitored = row[self.best.metric]
         self.schedule.epoch_end(monitored)
         improved = self.best.update(self.epoch, row)
         if self.early_stopping is not None:
             self.early_stopping(monitored)
-        self.completed_epochs, self.step_in_epoch = self.epoch, 0
         return improved
 
     def describe_resume(self, source) -> str:
