@@ -146,3 +146,22 @@ def test_eval_every_steps_below_zero_is_one_line(tmp_path):
     result = python_run(["--eval-every-steps", "-1", "--runs-dir", str(tmp_path)])
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "--eval-every-steps must be >= 0" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_best_and_early_stopping_follow_each_evaluation(tmp_path):
+    """One process, 90 steps an epoch, an evaluation every 5 steps; no evaluation after the first can improve by
+    --early-stop-delta 100, so patience 2 stops the run at the third, step 15, mid-epoch: its checkpoint written
+    there, best.pt the evaluation with the lowest validation loss (best.pt follows the best value, early stopping its
+    delta). Broken on purpose: StepEvaluations not reporting the stop (`or t.stopped_early` dropped) fails it."""
+    args = ["-b", "16", "-e", "1", "--no-progress", "--eval-every-steps", "5", "--early-stop-patience", "2"]
+    result = python_run([*args, "--early-stop-delta", "100", "--runs-dir", str(tmp_path), "-n", "stop"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = rows_of(tmp_path / "stop" / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == [5, 10, 15]
+    assert "step 15: " in result.stdout and "(early stop)" in result.stdout
+    assert saved_state(tmp_path / "stop" / "last.pt")["global_step"] == 15
+    best = saved_state(tmp_path / "stop" / "best.pt")  # the lowest validation loss of the three evaluations
+    lowest = min(rows, key=lambda r: float(r["val_loss"]))
+    assert best["global_step"] == int(lowest["step"]) and best["best"]["value"] == float(lowest["val_loss"])
