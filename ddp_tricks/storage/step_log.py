@@ -166,7 +166,7 @@ class StepLog:
         self._grad_norm = None
         if t.clip_grad_norm > 0:
             return
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
         if not grads:
             return
         norm = torch.nn.utils.get_total_norm(grads)
