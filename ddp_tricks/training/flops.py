@@ -31,7 +31,8 @@ PEAK_TFLOPS = {
 @dataclass
 class Flops:
     """A training step's FLOPs per sample (forward + backward), per unit where the task counts units, and how they
-    were counted ("meta": on a meta-device copy; "real": on real tensors, where the meta device could not run)."""
+    were counted ("meta": on a meta-device copy; "real": on real tensors, where the meta device could not run;
+    "none": neither could, 0 FLOPs)."""
 
     per_sample: float
     per_unit: float
@@ -40,6 +41,8 @@ class Flops:
 
     def describe(self) -> str:
         """The start line's part: `FLOPs per sample 3.2 MFLOP (forward + backward, counted on the meta device)`."""
+        if self.counted_on == "none":
+            return f"FLOPs not counted ({self.note}): no TFLOP/s or MFU in the rows"
         unit = f", {self.per_unit / 1e6:.4g} MFLOP per unit" if self.per_unit != self.per_sample else ""
         where = "the meta device" if self.counted_on == "meta" else f"real tensors ({self.note})"
         return f"FLOPs per sample {self.per_sample / 1e6:.4g} MFLOP{unit} (forward + backward, counted on {where})"
@@ -58,16 +61,25 @@ def measure(task, model: nn.Module, inputs, targets, samples: int) -> Flops:
     `samples` samples), counted on a meta-device copy of the model; on a real copy on the CPU where the meta device
     cannot run the model or the loss (said in `note`). The model itself is left as it was."""
     units_of = getattr(task, "units", None)
-    try:
-        on_meta = copy.deepcopy(model).to("meta").train()
-        flops = count(on_meta, task.loss, *(to(part, "meta") for part in (inputs, targets)))
-        units = float(units_of(inputs, targets)) if units_of is not None else float(samples)
-        return Flops(flops / samples, flops / max(units, 1.0), "meta")
-    except Exception as error:  # an op without a meta kernel, a loss that reads values
-        note = f"the meta device could not run it: {type(error).__name__}"
-    flops = count(copy.deepcopy(model).train(), task.loss, inputs, targets)
     units = float(units_of(inputs, targets)) if units_of is not None else float(samples)
-    return Flops(flops / samples, flops / max(units, 1.0), "real", note)
+    kept = dict(vars(task))  # a loss may set the task's attributes (a statistic moved to the outputs' device)
+    try:
+        try:
+            on_meta = copy.deepcopy(model).to("meta").train()
+            flops = count(on_meta, task.loss, *(to(part, "meta") for part in (inputs, targets)))
+            return Flops(flops / samples, flops / max(units, 1.0), "meta")
+        except Exception as error:  # an op without a meta kernel, a loss that reads values
+            note = f"the meta device could not run it: {type(error).__name__}"
+        vars(task).clear()
+        vars(task).update(kept)
+        try:
+            flops = count(copy.deepcopy(model).train(), task.loss, inputs, targets)
+        except Exception as error:  # counted nowhere: the rows give no FLOPs, the run goes on
+            return Flops(0.0, 0.0, "none", f"{note}, nor real tensors: {type(error).__name__}")
+        return Flops(flops / samples, flops / max(units, 1.0), "real", note)
+    finally:
+        vars(task).clear()
+        vars(task).update(kept)
 
 
 def of_task(task, model: nn.Module, dataset, collate, samples: int) -> Flops:
