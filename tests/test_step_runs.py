@@ -165,3 +165,24 @@ def test_best_and_early_stopping_follow_each_evaluation(tmp_path):
     best = saved_state(tmp_path / "stop" / "best.pt")  # the lowest validation loss of the three evaluations
     lowest = min(rows, key=lambda r: float(r["val_loss"]))
     assert best["global_step"] == int(lowest["step"]) and best["best"]["value"] == float(lowest["val_loss"])
+
+
+@pytest.mark.timeout(60)
+def test_an_evaluation_mid_epoch_drives_the_plateau_and_leaves_the_epoch_open():
+    """Training.after_evaluation (what each --eval-every-steps evaluation calls): ReduceLROnPlateau with patience 0
+    halves the LR at the first evaluation that does not improve, and the epoch stays where it is (end_epoch alone
+    completes it). Broken on purpose: after_evaluation not stepping the schedule fails it."""
+    import tiny
+
+    from ddp_tricks.schedules import schedule
+    from ddp_tricks.training.state import Best
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.4)
+    plateau = schedule.build(optimizer, total_steps=100, warmup_steps=0, kind="plateau", plateau_factor=0.5,
+                             plateau_patience=0)  # fmt: skip
+    t = tiny.training(model, optimizer, plateau, best=Best("val_loss", "min"))
+    t.epoch, t.step_in_epoch = 1, 15
+    assert t.after_evaluation({"val_loss": 1.0}) and t.lr == 0.4
+    assert not t.after_evaluation({"val_loss": 1.0}) and t.lr == 0.2  # no improvement: cut at once
+    assert (t.completed_epochs, t.step_in_epoch) == (0, 15)
