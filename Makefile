@@ -61,6 +61,7 @@ format: install-all
 bench: install-all
 	$(PY) bench/optim_step.py
 	$(PY) bench/e2e.py
+	$(PY) bench/step_log.py
 	$(PY) bench/fsdp_memory.py
 	$(PY) bench/activation_memory.py
 	$(PY) bench/cached_accumulation.py

@@ -35,9 +35,9 @@ from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
 from ddp_tricks.errors import UserError
 from ddp_tricks.optim import build as optimizers
 from ddp_tricks.schedules import decay_kind, schedule
-from ddp_tricks.storage import checkpoint, run_folder
+from ddp_tricks.storage import checkpoint, run_folder, step_log
 from ddp_tricks.traces import batch_trace
-from ddp_tricks.training import auto_batch, loop, preflight
+from ddp_tricks.training import auto_batch, loop, preflight, step_evaluations
 from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Best, NonFiniteLoss, Training
@@ -81,6 +81,7 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
+    trains = not (flags.eval_only or flags.plot_lr)
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
     run_folder.check(Path(flags.run_dir), resume=continues, overwrite=flags.overwrite)
 
@@ -89,6 +90,7 @@ def run(flags, task, process: launch.Launch) -> int:
         process, flags.device, flags.backend, flags.dist_timeout, flags.strategy == "fsdp", flags.sigterm_grace
     )
     t = build_training(flags, task, model, found, plan, dist)
+    t.parts["step_log"] = rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # a checkpoint part
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     collectives.require_same(
@@ -98,8 +100,7 @@ def run(flags, task, process: launch.Launch) -> int:
     folder = run_folder.RunFolder(Path(flags.run_dir), dist.is_main, run_folder.metric_columns(task, t.ema is not None))
     record = vars(flags) | plan.summary() | {"val_samples": len(val_set), "task_info": run_folder.task_info(task)}
     record["task_metrics"] = run_folder.task_metrics(task)
-    trains = not (flags.eval_only or flags.plot_lr)
-    folder.start(record, t.completed_epochs, flags.overwrite, flags.tensorboard, new_run=trains)
+    folder.start(record, t.completed_epochs, flags.overwrite, flags.tensorboard, trains, t.global_step)
     preemption = Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(collectives.gather_objects(os.getpid()))
     log.info(
@@ -123,37 +124,37 @@ def run(flags, task, process: launch.Launch) -> int:
         return 0
     train_loader, val_loader = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
     if flags.eval_only:
-        row = {"epoch": t.completed_epochs, "step": t.global_step, "lr": t.lr} | loop.evaluate(t, val_loader)
-        row |= loop.evaluate_ema(t, val_loader)  # --model-ema: the EMA's weights, the same way
+        row = step_evaluations.metrics_row(t, val_loader)
         folder.append(row, "eval.csv")  # beside the run's metrics.csv, never into it
         log.info("eval-only: %s -> %s", run_folder.describe(row), folder.path / "eval.csv")
         return 0
-    return train(flags, t, plan, (train_loader, val_loader), folder, preemption)
+    return train(flags, t, plan, (train_loader, val_loader), folder, preemption, rows)
 
 
-def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> int:
+def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, rows: step_log.StepLog) -> int:
     """Epochs of train -> evaluate -> decide -> checkpoint -> log, from where the state stands; then finish."""
     train_loader, val_loader = data
+    rows.open(folder.path, t.global_step, **cli.step_sink_options(flags))  # rank 0's steps.csv, TensorBoard, W&B, bar
     checkpoints = checkpoint.Checkpoints(
         folder.path, t.rank == 0, flags.checkpoint_every_steps, preemption, vars(flags), flags.strategy, plan.summary()
     )
-    for epoch in range(t.completed_epochs + 1, flags.epochs + 1):
+    evals = step_evaluations.StepEvaluations(flags.eval_every_steps, val_loader, folder, checkpoints, rows)
+    for epoch in range(t.completed_epochs + 1, plan.epochs + 1):
         if plan.auto and t.step_in_epoch == 0:  # --batch-trace auto: the epoch's batch, from the noise scale
             plan = auto_batch.grow(plan, t.noise.agreed_scale(t.units_per_sample), t.global_step, epoch)
             checkpoints.plan = plan.summary()
         steps = plan.epoch(epoch, t.rank, first_trace_step=t.global_step - t.step_in_epoch)
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
-        progress = loop.progress_bar(not flags.no_progress and t.rank == 0, len(steps), f"epoch {epoch}/{flags.epochs}")
-        result = loop.train_one_epoch(
-            t, steps, train_loader, first_step, progress, flags.log_interval, checkpoints.after_step
-        )
+        with rows.epoch(epoch, len(steps), first_step, t.global_step, f"epoch {epoch}/{plan.epochs}"):
+            result = loop.train_one_epoch(t, steps, train_loader, first_step, rows, evals)
+        if result is None and t.stopped_early:  # --eval-every-steps: stopped mid-epoch, its checkpoint written
+            break
         if result is None:
             log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.global_step}", flags.strategy))
             log.info(t.describe_steps())
             return failures.PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
-        row = {"epoch": epoch, "step": t.global_step, "lr": t.lr} | result | loop.evaluate(t, val_loader)
-        row |= loop.evaluate_ema(t, val_loader)
+        row = step_evaluations.metrics_row(t, val_loader) | result
         row |= {"world_size": t.world_size, "accum_steps": plan.accum_steps}  # the layout that ended the epoch
         improved = t.end_epoch(row)  # plateau, best and early stopping, on the monitored metric
         folder.append(row)
@@ -163,11 +164,10 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption) -> 
         log.info(run_folder.epoch_line(row, t.stopped_early))
         if t.stopped_early:
             break
-        if preemption.agreed(final=True) and epoch < flags.epochs:
+        if preemption.agreed(final=True) and epoch < plan.epochs:
             log.info(checkpoint.preempted(f"after epoch {epoch}", flags.strategy))
             log.info(t.describe_steps())
             return failures.PREEMPTED
-
     if t.rank == 0:
         heartbeat.phase("figures")  # long work on rank 0 alone: not a hang
         plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
@@ -260,7 +260,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         best=Best(flags.monitor, mode),
         early_stopping=early_stopping,
         ema=ema,
-        epochs=flags.epochs,
+        epochs=plan.epochs,
         accumulation=found.accumulation,
         global_loss=found.global_loss,
         noise=noise,

@@ -141,7 +141,7 @@ def main() -> None:
     steps = []
 
     def template():
-        train_one_epoch(training, steps, loader, log_interval=20)
+        train_one_epoch(training, steps, loader)
 
     def bare():
         bare_epoch(model_b, opt_b, loader, device, amp_dtype, scaler_b, args.channels_last)

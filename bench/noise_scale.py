@@ -88,7 +88,7 @@ def in_process(rounds: int, batch_size: int, every: int) -> dict:
         for measured in list(runs) if r % 2 else list(runs)[::-1]:
             loader.batch_sampler.start(steps)
             start, own = time.perf_counter(), time.thread_time()
-            train_one_epoch(runs[measured], steps, loader, log_interval=20)
+            train_one_epoch(runs[measured], steps, loader)
             seconds[measured].append(time.perf_counter() - start)
             cpu[measured].append(time.thread_time() - own)
     result = {"step_ms_not_measured": 1e3 * statistics.median(seconds[0][1:]) / len(steps)}

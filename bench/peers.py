@@ -218,9 +218,7 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
             steps = plan.epoch(epoch, t.rank)
             first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
             clock.tick(len(steps))
-            loop.train_one_epoch(
-                t, steps, train_loader, first_step, None, flags.log_interval, lambda t: preemption.agreed()
-            )
+            loop.train_one_epoch(t, steps, train_loader, first_step, None, lambda t: preemption.agreed())
         clock.tick(len(steps))
     finally:
         launch.cleanup()

@@ -66,6 +66,8 @@ class Plan:
     run_micro_batch: int = 0  # the micro-batch the run started with, which a resume comes back to where it fits
     max_global_batch: int = 0  # --batch-trace auto: the largest global batch it grows to (0: not auto)
     run_steps: int = 0  # the optimizer steps of the whole run (a traced run: the trace's rows it uses; auto: so far)
+    epochs: int = 1  # the epochs the run trains: --epochs, or those --max-steps needs (its last cut short)
+    max_steps: int = 0  # --max-steps: the run ends after this many optimizer steps (0: after its epochs)
 
     @property
     def auto(self) -> bool:
@@ -211,6 +213,8 @@ class Plan:
             batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
             # slot k holds ceil((n - k) / slots) samples: the micro-batches differ unless the batch fills the slots
             steps.append(Step(group, batch / ranks, batch, uneven=batch % self.slots != 0))
+        if self.max_steps:  # --max-steps: the run's last epoch ends at its step
+            return steps[: max(0, self.max_steps - (epoch - 1) * self.steps_per_epoch)]
         return steps
 
     def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:
@@ -251,6 +255,7 @@ def make(
     run_batch: tuple[int, int] | None = None,
     max_global_batch: int = 0,
     equal_shares: str = "",
+    max_steps: int = 0,
 ) -> Plan:
     """The plan for these numbers; an impossible combination is a UserError that names the fix. `run_batch`: a
     resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
@@ -302,8 +307,12 @@ def make(
                 + (" or --accum-steps" if accum_steps > 1 else "")
             )
         steps_per_epoch = epoch_steps(num_train, global_batch, micro_batch, drop_last)
-        total_steps = run_steps = epochs * steps_per_epoch
+        if max_steps:  # the schedule's length is the run's steps; the epochs are as many as they need
+            epochs = -(-max_steps // steps_per_epoch)
+        total_steps = run_steps = max_steps or epochs * steps_per_epoch
     else:
+        if max_steps:
+            raise UserError("--max-steps counts steps of one batch size: a --batch-trace run is given in --epochs")
         batch_trace.check_trace(trace, micro_batch)
         total_steps = batch_trace.steps_needed(num_train, trace, epochs, seed)
         if total_steps == 0:
@@ -341,6 +350,8 @@ def make(
         run_micro_batch=run_micro_batch if trace is None else micro_batch,
         max_global_batch=max_global_batch,
         run_steps=run_steps,
+        epochs=epochs,
+        max_steps=max_steps if trace is None else 0,
     )
 
 

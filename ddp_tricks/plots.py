@@ -21,8 +21,19 @@ def _figure(**kwargs):
     return fig
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
-    with open(Path(run_dir) / "metrics.csv", newline="") as f:
+def per_step(ax, rows: list[dict[str, float]]) -> None:
+    """steps.csv's training loss per window against the global step, and samples/s on a second axis."""
+    ax.plot([r["step"] for r in rows], [r["train_loss"] for r in rows], "-", lw=1, label="train loss (window)")
+    ax.set(title="per step (steps.csv)", xlabel="optimizer step", ylabel="loss")
+    speed = ax.twinx()
+    speed.plot([r["step"] for r in rows], [r["samples_per_second"] for r in rows], ":", color="gray", lw=1)
+    speed.set_ylabel("samples/s (dotted)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
+def read_metrics(run_dir: str | Path, name: str = "metrics.csv") -> list[dict[str, float]]:
+    with open(Path(run_dir) / name, newline="") as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
@@ -42,9 +53,12 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
     )
     noise = [r.get("noise_scale", math.nan) for r in rows]
     measured = any(math.isfinite(v) for v in noise)  # a run that saw two batch sizes per step (training/noise.py)
-    panels = len(names) + 1 + measured
+    steps = read_metrics(run_dir, "steps.csv") if (Path(run_dir) / "steps.csv").is_file() else []
+    panels = len(names) + 1 + measured + bool(steps)
     fig = _figure(figsize=(4.6 * panels, 4))
-    axes = fig.subplots(1, panels)
+    axes = list(fig.subplots(1, panels))
+    if steps:  # the per-step rows (storage/step_log.py): the window's loss and throughput at each logged step
+        per_step(axes.pop(), steps)
     for ax, name in zip(axes, names):
         for split, label in (("train", "train"), ("val", "validation"), ("val_ema", "validation, EMA weights")):
             if f"{split}_{name}" in rows[0]:

@@ -107,7 +107,7 @@ def _train(rank, world_size, kind, micro_batch, accumulation, lr=0.1):
                  Schedule(WarmupDecay(optimizer, 0, 0)), task, [], Precision("off", CPU), CPU, rank=rank,
                  world_size=world_size,
                  accumulation=cached.cached_accumulation if accumulation == "cached" else None)  # fmt: skip
-    result = train_one_epoch(t, steps, loader, log_interval=1000)
+    result = train_one_epoch(t, steps, loader)
     return result, [p.detach().clone() for p in model.parameters()]
 
 

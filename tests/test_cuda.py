@@ -377,7 +377,7 @@ def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
         return False
 
     try:
-        row = train_one_epoch(t, steps, loader, log_interval=1000, after_step=after_step)
+        row = train_one_epoch(t, steps, loader, after_step=after_step)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert seen == list(range(1, 13)) and math.isfinite(row["train_loss"])
@@ -429,7 +429,7 @@ def test_a_step_makes_exactly_its_documented_host_syncs_on_cuda(amp, on_nonfinit
             return False
 
         try:
-            train_one_epoch(t, steps, batches, log_interval=1000, after_step=after_step)
+            train_one_epoch(t, steps, batches, after_step=after_step)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert syncs[1:] == [per_step] * (len(steps) - 1)

@@ -17,6 +17,7 @@ from ddp_tricks.data import images as image_data
 from ddp_tricks.distributed import trace_reduction
 from ddp_tricks.schedules.curves import WarmupDecay
 from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.storage.step_log import StepLog
 from ddp_tricks.training.loop import train_one_epoch
 from lamb import LAMB
 from lars import LARS, LARSWrapper
@@ -82,23 +83,25 @@ def _repeats(args, kwargs):
     return args[1] if len(args) > 1 else args[0]
 
 
-def syncs_per_step(t, trace=None, accum_steps=1, nonfinite_at=None, micro_batch=32, **resumed) -> list[list[str]]:
-    """Train `t` for STEPS steps on the digits with the loop run.py runs; the host syncs of each step after the
+def syncs_per_step(t, trace=None, accum_steps=1, nonfinite_at=None, micro_batch=32, log=None, count=STEPS,
+                   **resumed) -> list[list[str]]:  # fmt: skip
+    """Train `t` for `count` steps on the digits with the loop run.py runs; the host syncs of each step after the
     first. The micro-batches are fetched beforehand (data loading happens on the host: no device to wait for).
-    `nonfinite_at`: the step whose inputs are NaN; `resumed`: a resume's world_size and run_batch (rank 0's steps)."""
+    `nonfinite_at`: the step whose inputs are NaN; `log`: a StepLog; `resumed`: a resume's world_size and run_batch
+    (rank 0's steps)."""
     train_set, _ = image_data.digits()
     the_plan = planning.make(num_train=len(train_set), micro_batch=micro_batch, accum_steps=accum_steps, epochs=1,
                              seed=0, base_lr=0.05, lr_scaling="keep", base_batch=32, warmup_epochs=0, trace=trace,
                              trace_end="repeat-last", **({"world_size": 1} | resumed))  # fmt: skip
-    steps = the_plan.epoch(1, 0)[:STEPS]
+    steps = the_plan.epoch(1, 0)[:count]
     batches = list(tiny.loader_for(train_set, steps))
     if nonfinite_at is not None:
         first = sum(len(s.micro_batches) for s in steps[:nonfinite_at])
         batches[first] = (torch.full_like(batches[first][0], float("nan")), batches[first][1])
     counter = HostSyncs()
     with counter:
-        train_one_epoch(t, steps, batches, log_interval=1000, after_step=counter.after_step)
-    assert len(counter.per_step) == STEPS
+        train_one_epoch(t, steps, batches, log=log, after_step=counter.after_step)
+    assert len(counter.per_step) == count
     return counter.per_step[1:]
 
 
@@ -121,6 +124,23 @@ def overflowing(t):
 def test_a_plain_step_makes_no_host_sync(amp):
     """Broken on purpose: a boolean-mask index in the loop's step (`row[row == row]` in train_one_epoch) is counted."""
     assert syncs_per_step(toy(amp=amp)) == [[]] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
+def test_a_whole_log_interval_window_makes_no_host_sync_but_at_its_rows(amp):
+    """Two windows of --log-interval 5 with the run's step log (storage/step_log.py), its non-finite check included:
+    only steps 5 and 10 (rows) read the device; the others none (fp16: GradScaler's own read). Broken on purpose: the
+    loop's `if due:` before the check and the row as `if True:` fails it."""
+    scaler = ["item"] if amp == "fp16" else []
+    log = StepLog(5, torch.device("cpu"))
+    t = toy(amp=amp)
+    steps = syncs_per_step(t, log=log, count=10)  # steps 2..10
+    for step, syncs in enumerate(steps, start=2):
+        if step in (5, 10):
+            # the row's read, and (without fp16's scaler, which skips non-finite steps itself) the non-finite check's
+            assert syncs.count("tolist") == (1 if amp == "fp16" else 2), (step, syncs)
+        else:
+            assert syncs == scaler, (step, syncs)
 
 
 def test_an_fp16_step_makes_only_the_grad_scaler_s_own_sync():

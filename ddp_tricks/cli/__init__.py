@@ -4,7 +4,8 @@ checks everything, and returns the validated `argparse.Namespace` and the task c
 
     flags.py        the flags, by trick          config_file.py  --config FILE.toml
     tasks.py        --task and the monitored metric          checks.py  values and combinations
-    large_models.py --activation-checkpointing (a group after flags.py's)
+    large_models.py --activation-checkpointing, --fsdp-replicas (a group after flags.py's)
+    step_flags.py   per-step rows (--log-interval, --wandb), --max-steps, --eval-every-steps
     options.py      what each component (plan, optimizer, schedule, loaders, start-up checks) takes from the flags
 """
 
@@ -31,6 +32,7 @@ from ddp_tricks.cli.options import (
     plan_options,
     schedule_options,
 )
+from ddp_tricks.cli.step_flags import step_log_options, step_sink_options
 from ddp_tricks.cli.tasks import DEFAULT_TASK, load_task, mode_of, monitored_metric
 from ddp_tricks.errors import UserError, report
 
@@ -50,6 +52,8 @@ __all__ = [
     "loader_options",
     "check_options",
     "hang_options",
+    "step_log_options",
+    "step_sink_options",
 ]
 
 

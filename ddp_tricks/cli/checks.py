@@ -9,6 +9,7 @@ import copy
 import os
 
 from ddp_tricks import schedules
+from ddp_tricks.cli.step_flags import check_step_flags
 from ddp_tricks.errors import UserError
 
 
@@ -70,6 +71,7 @@ def check(
     """Impossible values and combinations, found before any process exists. `given`: the flags spelled out
     on the command line (`given_flags`), so a flag that would be ignored is refused rather than dropped."""
     _check_values(cfg)
+    check_step_flags(cfg, given)
     _check_combinations(cfg)
     ignored = [(dest, needs) for dests, acts, needs in ONLY_WITH for dest in dests if dest in given and not acts(cfg)]
     if ignored:

@@ -8,6 +8,7 @@ import argparse
 import difflib
 
 from ddp_tricks import optim, schedules
+from ddp_tricks.cli.step_flags import add_step_flags
 from ddp_tricks.cli.tasks import DEFAULT_TASK
 from ddp_tricks.errors import UserError
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _batch_trace_flags(p.add_argument_group("variable batch size (a trace)"))
     _early_stopping_flags(p.add_argument_group("early stopping"))
     _ddp_performance_flags(p.add_argument_group("DDP performance"))
+    add_step_flags(p)
     return p
 
 
@@ -176,12 +178,6 @@ def _run_flags(g: argparse._ArgumentGroup) -> None:
         help="draw the LR schedule these flags produce into runs/<name>/lr_schedule.png, and exit",
     )
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to runs/<name>/tb/")
-    g.add_argument(
-        "--log-interval",
-        type=positive_int,
-        default=20,
-        help="steps between progress updates (the only host syncs in the loop; default: 20)",
-    )
 
 
 def _launch_flags(g: argparse._ArgumentGroup) -> None:

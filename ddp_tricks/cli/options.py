@@ -28,6 +28,7 @@ def plan_options(flags: argparse.Namespace) -> dict:
         "lr_power": flags.lr_power,
         "step_epochs": flags.step_epochs,
         "drop_last": flags.drop_last,
+        "max_steps": flags.max_steps,
     }
 
 
@@ -85,6 +86,7 @@ def check_options(flags: argparse.Namespace) -> dict:
         "noise_scale_every": flags.noise_scale_every,
         "checkpointing": flags.activation_checkpointing,
         "fsdp_replicas": flags.fsdp_replicas,
+        "count_flops": flags.log_interval > 0 and not (flags.eval_only or flags.plot_lr),
     }
 
 

@@ -80,9 +80,11 @@ class RunFolder:
         self.columns = columns
         self._tensorboard = None
 
-    def start(self, config: dict, completed_epochs: int, overwrite: bool, tensorboard: bool, new_run=True) -> None:
+    def start(self, config: dict, completed_epochs: int, overwrite: bool, tensorboard: bool, new_run=True,
+              through_step: int | None = None) -> None:  # fmt: skip
         """Send the log to stdout and train.log; for a run that trains (`new_run`), also clear the folder
-        (--overwrite of a fresh run), write config.json, and keep metrics.csv rows through the checkpoint's epoch."""
+        (--overwrite of a fresh run), write config.json, and keep metrics.csv rows through the checkpoint's epoch
+        (given `through_step`, the checkpoint's global step: through it, so mid-epoch evaluations' rows stay)."""
         log.handlers.clear()
         log.propagate = False
         if not self.is_main:
@@ -101,7 +103,7 @@ class RunFolder:
         if not new_run:
             return
         (self.path / "config.json").write_text(json.dumps(config | provenance(), indent=2))
-        self._keep_metrics_through(completed_epochs)
+        self._keep_metrics_through(completed_epochs, through_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -129,17 +131,25 @@ class RunFolder:
                     self._tensorboard.add_scalar(key, row[key], row["epoch"])
             self._tensorboard.flush()
 
-    def _keep_metrics_through(self, last_epoch: int) -> None:
-        """On resume, drop rows of epochs after the checkpoint (they are about to be trained again)."""
+    def _keep_metrics_through(self, last_epoch: int, last_step: int | None = None) -> None:
+        """On resume, drop rows after the checkpoint (they are about to be trained and evaluated again)."""
         path = self.path / "metrics.csv"
         if not path.exists():
             return
         with open(path, newline="") as f:
-            rows = [row for row in csv.DictReader(f) if int(row["epoch"]) <= last_epoch]
+            rows = [row for row in csv.DictReader(f) if kept(row, last_epoch, last_step)]
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.columns, restval="nan", extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
+
+
+def kept(row: dict, last_epoch: int, last_step: int | None) -> bool:
+    """A metrics.csv row a resume keeps: of an epoch it completed, or (--eval-every-steps) a mid-epoch evaluation's
+    of the epoch it continues, through its step."""
+    if int(row["epoch"]) <= last_epoch:
+        return True
+    return last_step is not None and int(row["epoch"]) == last_epoch + 1 and int(row["step"]) <= last_step
 
 
 def describe(row: dict) -> str:

@@ -10,7 +10,6 @@ Metrics are the task's sums, kept as device tensors: no host sync per step (`.it
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable
 
@@ -35,6 +34,8 @@ from ddp_tricks.training.batches import detached, float_outputs, to_device
 from ddp_tricks.training.metric_states import report
 from ddp_tricks.training.state import Training, restore_rng
 from ddp_tricks.training.stepping import training_step
+
+CHECK_EVERY = 20  # without a step log, the steps between checks of the loss (a host read each)
 
 
 def forward(t: Training, model: nn.Module, inputs, targets):
@@ -118,15 +119,6 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
         parts.finish()
 
 
-def progress_bar(enabled: bool, total: int, description: str):
-    """A tqdm bar on stderr (rank 0, unless --no-progress), or None."""
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, file=sys.stderr)
-
-
 def start_epoch(t: Training, epoch: int, loader, steps: list[Step], seed: int) -> int:
     """Point the loader at the epoch's steps and seed the epoch; returns the step to start from (a resumed
     epoch continues where its checkpoint stopped, with the RNG that checkpoint saved)."""
@@ -145,8 +137,7 @@ def train_one_epoch(
     steps: list[Step],
     loader,
     first_step: int = 0,
-    progress=None,
-    log_interval: int = 20,
+    log=None,
     after_step: Callable[[Training], bool] | None = None,
 ) -> dict[str, float] | None:
     """Train the epoch's `steps` from `first_step` on; return the epoch's metrics reduced across ranks.
@@ -155,20 +146,18 @@ def train_one_epoch(
     `t.resume_sums` (this rank's running [loss x units, *metric sums, units, samples] when its checkpoint was
     written).
     `after_step(t)` runs after every optimizer step (`t.step_in_epoch` steps done, `t.epoch_sums` the running
-    sums); when it returns True the epoch stops there and None is returned. `progress` (a tqdm bar, or None) is
-    closed at the end, whichever way the epoch ends.
+    sums); when it returns True the epoch stops there and None is returned. `log` (storage/step_log.py's StepLog,
+    or None: no rows) writes a row at the steps it says are due, the only steps that read the device (the loss's
+    non-finite check too; without a log, every CHECK_EVERY steps).
     """
     try:
-        return _train_steps(t, steps, loader, first_step, progress, log_interval, after_step)
+        return _train_steps(t, steps, loader, first_step, log, after_step)
     except RuntimeError as error:
         name_unused_parameters(error, t.model)  # DDP's "expected to have finished reduction": one line
         raise
-    finally:  # an error's line then starts a line of its own
-        if progress is not None:
-            progress.close()
 
 
-def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, log_interval, after_step):
+def _train_steps(t: Training, steps: list[Step], loader, first_step, log, after_step):
     t.model.train()
     width = t.sums_layout.width + 1
     resumed = t.resume_sums if first_step else None
@@ -184,9 +173,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
     step_nonfinite = torch.zeros((), dtype=torch.bool, device=t.device)
     params = [p for p in t.raw_model.parameters() if p.requires_grad]
     skipped_before, start = t.skipped_steps, time.perf_counter()
-    batches = iter(loader)
-    if progress is not None:
-        progress.update(first_step)
+    batches = iter(loader) if log is None else log.begin(t, iter(loader))  # a log times each next(): data wait
     accumulate = t.accumulation or plain_accumulation  # chosen when the run was built (cached.py's, or this one)
     measures = t.noise is not None and t.reduction is None  # untraced: every K-th step (a traced one: every step)
     after_each = t.ema is not None or getattr(t.task, "after_step", None) is not None  # else nothing to call per step
@@ -219,6 +206,9 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
         factor = step.lr_factor
         if t.adascale is not None:
             factor *= gain
+        due = log.due(t.global_step + 1) if log is not None else done % CHECK_EVERY == 0
+        if due and log is not None:
+            log.measure(t, params)  # the gradient norm, before the step zeroes it
         if skip_nonfinite and any_rank(step_nonfinite, t.device):  # the step's one host sync
             t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
             t.global_step += 1
@@ -228,25 +218,13 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
         elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress) and after_each:
             after_optimizer_step(t, run_progress(t.epoch, t.epochs, done, len(steps)))
         t.step_in_epoch = done
-        if done % log_interval == 0:
+        if due:
             t.raise_if_nonfinite()
             t.check_units()
+            if log is not None:
+                log.write(t)  # before the checkpoint below: a resume at this step keeps this row
         if after_step is not None and after_step(t):
             return None
-        if progress is not None and done % log_interval == 0:
-            shown = {}
-            if t.noise is not None:  # this rank's estimate (the epoch's row averages the ranks')
-                trace, grad_sq = t.noise.corrected().tolist()
-                shown["noise_scale"] = f"{trace / grad_sq:.0f}" if grad_sq > 0 else "?"
-            progress.set_postfix(
-                loss=f"{running[0].item() / max(float(t.epoch_units), 1.0):.4f}",
-                lr=f"{t.lr:.4g}",
-                samples_per_s=f"{t.epoch_samples / (time.perf_counter() - start):.0f}",
-                **shown,
-            )
-            progress.update(done - progress.n)
-    if progress is not None:
-        progress.update(len(steps) - progress.n)
     t.raise_if_nonfinite()
     t.check_units()
     seconds = time.perf_counter() - start

@@ -22,6 +22,7 @@ class Precision:
         self.dtype = None if apex_amp is not None else DTYPES[mode]
         self.scaler = None
         self._steps = StepCounter()
+        self.grad_norm: torch.Tensor | None = None  # the last clipped step's gradient norm, before clipping
         if mode == "fp16" and apex_amp is None:
             self.scaler = torch.amp.GradScaler(device.type)
             if sharded:  # each rank sees an inf only in its slices: this scaler agrees on it across the ranks
@@ -72,7 +73,7 @@ class Precision:
         if self.scaler is not None and clip_grad_norm > 0:
             self.scaler.unscale_(optimizer)
         if clip_grad_norm > 0:
-            nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            self.grad_norm = nn.utils.clip_grad_norm_(params, clip_grad_norm)  # on the device: read by a row
         if lr_factor != 1.0:
             lrs = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:

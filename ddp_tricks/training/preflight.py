@@ -15,7 +15,8 @@ from torch import nn
 from ddp_tricks import activations
 from ddp_tricks.distributed import fsdp, mesh
 from ddp_tricks.plan import Plan
-from ddp_tricks.training import auto_batch, cached, seam
+from ddp_tricks.training import auto_batch, cached, flops, seam
+from ddp_tricks.training.flops import Flops
 from ddp_tricks.training.metric_states import Layout
 
 
@@ -36,6 +37,7 @@ class Setup:
     noise_scale_every: int = 1  # --noise-scale-every: measured on every K-th optimizer step
     checkpointing: str | None = None  # --activation-checkpointing: its mode (activations.py), or None
     fsdp_replicas: int = 1  # --fsdp-replicas: HSDP's replicas (distributed/mesh.py)
+    count_flops: bool = False  # a training run with per-step rows: a step's FLOPs counted (flops.py)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Findings:
     shard_line: str | None = None  # --strategy fsdp: the units, for the start line (fsdp.describe_units)
     noise_every: int = 1  # the noise scale is measured on every K-th optimizer step (a traced run: every step)
     checkpointing_line: str | None = None  # --activation-checkpointing: what is checkpointed, for the start line
+    flops: Flops | None = None  # a training step's FLOPs per sample, counted (None: not counted)
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -68,6 +71,7 @@ class Findings:
     def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
         """What the run's log says about them at its start."""
         notes = [line for line in (self.shard_line, self.checkpointing_line) if line]
+        notes += [self.flops.describe()] if self.flops is not None else []
         if self.measures_noise:
             notes.append(auto_batch.describe(plan, self.own_units, self.noise_every))
         elif noise_flag:
@@ -172,4 +176,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         shard_line,
         noise_every=1 if plan.manual_reduction else setup.noise_scale_every,
         checkpointing_line=checkpointing_line,
+        flops=flops.of_task(task, model, dataset, collate, plan.micro_batch) if setup.count_flops else None,
     )

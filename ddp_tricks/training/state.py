@@ -102,6 +102,7 @@ class Training:
     epochs: int = 1  # the run's --epochs: the task's per-step hook is told how far the run is (its `progress`)
     rank: int = 0
     world_size: int = 1
+    parts: dict = field(default_factory=dict)  # more named parts of the checkpoint: {name: a state_dict() holder}
     epoch: int = 0  # the epoch being trained (or last trained)
     completed_epochs: int = 0
     step_in_epoch: int = 0  # optimizer steps already taken in epoch completed_epochs + 1
@@ -157,14 +158,19 @@ class Training:
         return self.early_stopping is not None and self.early_stopping.early_stop
 
     def end_epoch(self, row: dict) -> bool:
-        """After an epoch's evaluation: the schedule, the best value and early stopping see the monitored metric
-        (reduced across ranks: every rank decides the same). True when it is a new best."""
+        """After an epoch's evaluation: `after_evaluation`, and the epoch is done. True when it is a new best."""
+        improved = self.after_evaluation(row)
+        self.completed_epochs, self.step_in_epoch = self.epoch, 0
+        return improved
+
+    def after_evaluation(self, row: dict) -> bool:
+        """After an evaluation (an epoch's, or --eval-every-steps'): the schedule, the best value and early stopping
+        see the monitored metric (reduced across ranks: every rank decides the same). True when it is a new best."""
         monitored = row[self.best.metric]
         self.schedule.epoch_end(monitored)
         improved = self.best.update(self.epoch, row)
         if self.early_stopping is not None:
             self.early_stopping(monitored)
-        self.completed_epochs, self.step_in_epoch = self.epoch, 0
         return improved
 
     def describe_resume(self, source) -> str:
@@ -249,7 +255,7 @@ class Training:
             "task": self.task.state_dict() if callable(getattr(self.task, "state_dict", None)) else None,  # rank 0's
             "rng": rng,
             "world_size": self.world_size,
-        }
+        } | {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state: dict, source: str) -> None:
         """Everything a checkpoint holds, the model's weights included. A sharded checkpoint's slices are read
@@ -286,6 +292,8 @@ class Training:
             self.ema.load_state_dict(state.get("ema"), self.raw_model)
         if state.get("task") is not None and callable(getattr(self.task, "load_state_dict", None)):
             self.task.load_state_dict(state["task"])
+        for name, part in self.parts.items():  # a checkpoint from before a part: the part starts fresh
+            part.load_state_dict(state.get(name))
         self.global_step = self.first_global_step = state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.completed_epochs = self.epoch = state["epoch"]
