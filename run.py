@@ -75,7 +75,7 @@ def run(flags, task, process: launch.Launch) -> int:
     loaders.check_sizes(len(train_set), len(val_set), process.world_size)
     model = task.model()
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
-    state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
+    state = checkpoint.load(resume_from, flags.strategy, evaluation=flags.eval_only) if resume_from else None
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     setup = preflight.Setup(process.world_size, nccl=nccl, **cli.check_options(flags))
     plan, found = preflight.check(  # one record of what the checks found: what comes after takes it
@@ -208,8 +208,10 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
     model = model.to(dist.device, memory_format=torch.channels_last if flags.channels_last else torch.preserve_format)
+    replicated = None
     if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
         model = fsdp.shard(model, found.units, DTYPES[flags.amp])
+        replicated = fsdp.replicated(model, dist.world_size)  # the 0-d parameters' gradients, averaged apart
     optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
     ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
     apex_amp = None
@@ -260,6 +262,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         on_nonfinite=flags.on_nonfinite,
         reduction=reduction,
         sparse=sparse,
+        replicated=replicated,
         best=Best(flags.monitor, mode),
         early_stopping=early_stopping,
         ema=ema,

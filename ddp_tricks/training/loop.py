@@ -208,6 +208,8 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, progress, l
                 t.epoch_samples += samples
         if t.sparse is not None:  # the sparse tables' gradients, averaged over the ranks (DDP's reducer: the rest)
             t.sparse.reduce()
+        if t.replicated is not None:  # the 0-d parameters FSDP keeps whole: their gradients averaged over the ranks
+            t.replicated.reduce()
         big = step.batch if units_of is None else t.step_units  # the step's units over every rank
         if t.reduction is not None:  # a traced step: its gradients reduced (and its noise scale measured) here
             gain = t.reduction.finish(step.batch, t.precision.loss_scale(), units=big)

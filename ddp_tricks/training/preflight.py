@@ -121,6 +121,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units, shard_line = [], None
     if setup.strategy == "fsdp":
+        fsdp.check_scalars(model)
         units = fsdp.shard_units(task, model)
         skipped = fsdp.skipped(model, units, seam.module_calls(model, dataset, collate))
         folded = [units[i] for i in skipped]

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from customized_function import EarlyStopping
 from ddp_tricks.distributed.collectives import gather_from_ranks, gather_objects
-from ddp_tricks.distributed.fsdp import is_sharded
+from ddp_tricks.distributed.fsdp import ReplicatedGradients, is_sharded
 from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import TraceReduction
 from ddp_tricks.errors import UserError
@@ -90,6 +90,7 @@ class Training:
     on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
     reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
     sparse: SparseGradients | None = None  # the sparse tables' gradients, averaged apart from DDP's reducer
+    replicated: ReplicatedGradients | None = None  # --strategy fsdp: the 0-d parameters' gradients, averaged apart
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient: None, loop.py's plain one
     global_loss: bool = False  # the task's loss gathers from every rank: evaluation keeps the ranks in step
     noise: NoiseScale | None = None  # the gradient noise scale's moving averages (None: not measured)
@@ -246,15 +247,23 @@ class Training:
             "skipped_steps": self.skipped_steps,
             "best": self.best.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,  # sharded like the model under FSDP
-            "task": self.task.state_dict() if callable(getattr(self.task, "state_dict", None)) else None,  # rank 0's
+            "task": self.task_state(),
             "rng": rng,
             "world_size": self.world_size,
         }
 
+    def task_state(self) -> dict | None:
+        """The task's own state (a DINO centre), rank 0's; None for a task without `state_dict()`."""
+        return self.task.state_dict() if callable(getattr(self.task, "state_dict", None)) else None
+
     def load_state_dict(self, state: dict, source: str) -> None:
         """Everything a checkpoint holds, the model's weights included. A sharded checkpoint's slices are read
         here, cut to this run's shards (`source`: its folder). Where the checkpoint followed another monitored
-        metric, this run's best and early stopping start fresh."""
+        metric, this run's best and early stopping start fresh. A sharded run's best.pt (--eval-only; no optimizer
+        state): its weights are in the model already (before sharding), its EMA, task state and counters here."""
+        if "optimizer" not in state:
+            self._load_for_evaluation(state)
+            return
         if self.sharded:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             state = sharded.fill(state, source, self.raw_model, params)
@@ -284,8 +293,7 @@ class Training:
             self.noise.unpack(resume_rows(state["noise"], self.rank, self.world_size, mean=True))
         if self.ema is not None:  # a checkpoint without one: the EMA starts from the resumed weights
             self.ema.load_state_dict(state.get("ema"), self.raw_model)
-        if state.get("task") is not None and callable(getattr(self.task, "load_state_dict", None)):
-            self.task.load_state_dict(state["task"])
+        self._load_task(state)
         self.global_step = self.first_global_step = state["global_step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.completed_epochs = self.epoch = state["epoch"]
@@ -294,6 +302,19 @@ class Training:
             self.resume_sums = resume_rows(state["epoch_sums"], self.rank, self.world_size)
             saved_rng = state["rng"]  # another world size's ranks draw differently anyway (Plan: same samples)
             self.resume_rng = saved_rng[self.rank] if len(saved_rng) == self.world_size else None
+
+    def _load_task(self, state: dict) -> None:
+        if state.get("task") is not None and callable(getattr(self.task, "load_state_dict", None)):
+            self.task.load_state_dict(state["task"])
+
+    def _load_for_evaluation(self, state: dict) -> None:
+        """A sharded run's best.pt: the EMA's whole weights (cut to this run's slices), the task's state, the
+        counters the evaluation row shows."""
+        if self.ema is not None:
+            self.ema.load_state_dict(state.get("ema"), self.raw_model)
+        self._load_task(state)
+        self.completed_epochs = self.epoch = state["epoch"]
+        self.global_step = self.first_global_step = state.get("global_step", 0)
 
 
 def resume_rows(saved: torch.Tensor, rank: int, world_size: int, mean: bool = False) -> torch.Tensor:
