@@ -208,10 +208,8 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
     model = model.to(dist.device, memory_format=torch.channels_last if flags.channels_last else torch.preserve_format)
-    replicated = None
     if flags.strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
         model = fsdp.shard(model, found.units, DTYPES[flags.amp])
-        replicated = fsdp.replicated(model, dist.world_size)  # the 0-d parameters' gradients, averaged apart
     optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
     ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
     apex_amp = None
@@ -262,7 +260,6 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         on_nonfinite=flags.on_nonfinite,
         reduction=reduction,
         sparse=sparse,
-        replicated=replicated,
         best=Best(flags.monitor, mode),
         early_stopping=early_stopping,
         ema=ema,

@@ -55,15 +55,13 @@ def _train(rank, world_size, sharded):
         steps = the_plan.epoch(1, rank)[:STEPS]
         for name, (options, lr) in OPTIMIZERS.items():
             model = _model()
-            replicated = None
             if sharded:
                 model = fsdp.shard(model, fsdp.shard_units(Classify(), model))
-                replicated = fsdp.replicated(model, world_size)
             options = dict(options)
             optimizer = optimizers.build(model, options.pop("name"), lr=lr, weight_decay=1e-3, **options)
             t = Training(model, optimizer, Schedule(WarmupDecay(optimizer, 0, 0)), Classify(), ["acc"],
                          Precision("off", CPU, sharded=sharded), CPU, clip_grad_norm=clip, rank=rank,
-                         world_size=world_size, replicated=replicated)  # fmt: skip
+                         world_size=world_size)  # fmt: skip
             loader = loaders.train_loader(train_set, rank, CPU, seed=0)
             loader.batch_sampler.start(steps)
             train_one_epoch(t, steps, loader)
@@ -110,7 +108,7 @@ def test_run_py_trains_a_0d_parameter_under_fsdp_like_one_process_and_resumes_it
     model's BatchNorm takes per-rank statistics, so DDP, not one process, is the reference), and a run stopped after
     epoch 1 resumes from its sharded checkpoint (the temperature, its momentum and its EMA whole in it) to the same
     rows, bit for bit.
-    Broken on purpose: skipping ReplicatedGradients.reduce() in the loop (training/loop.py) fails it."""
+    Broken on purpose: skipping reduce_replicated() in the loop (training/loop.py) fails it."""
     runs = str(tmp_path)
     ddp = launch([*TEMPERATURE, "--runs-dir", runs, "-n", "ddp", "-b", "16", "-e", "2"])
     assert ddp.returncode == 0, ddp.stderr[-3000:]

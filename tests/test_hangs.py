@@ -72,7 +72,8 @@ def test_a_stopped_rank_ends_the_job_with_a_line_per_rank_and_the_live_stacks(tm
 
 
 def test_a_rank_s_line_names_its_phase_and_step_in_words():
-    """"train step 26", "in its first step, step 47" (it read "first step step 47"); other phases without a step.
+    """A rank's line says "train step 26", "in its first step, step 47" (it read "first step step 47"); other phases
+    without a step.
     Broken on purpose: the old `phase + " step N"` fails it."""
     from ddp_tricks.distributed.heartbeat import describe
 

@@ -10,7 +10,7 @@ get zero gradients in the reduce-scatter, so ranks that use different experts re
 precision is FSDP's policy: parameters gathered in the --amp dtype, gradients reduced in float32, BatchNorm layers
 kept in float32 as their own units (their running statistics are float32). A 0-d parameter (CLIP's learnable
 temperature; fully_shard refuses to shard one) is kept whole on every rank, outside FSDP (`ignored_params`), and
-`ReplicatedGradients` averages its gradient over the ranks after the step's last backward, as DDP would.
+`reduce_replicated` averages its gradient over the ranks after the step's last backward, as DDP would.
 """
 
 from __future__ import annotations
@@ -254,27 +254,32 @@ class ReplicatedGradients:
             p.grad = mean.reshape(g.shape).to(g.dtype)
 
 
-def replicated(model: nn.Module, world_size: int) -> ReplicatedGradients | None:
-    """The averaging of the gradients of the parameters `shard` kept whole (None: there are none)."""
-    params = [p for p in model.parameters() if p.dim() == 0 and p.requires_grad]
-    return ReplicatedGradients(params, world_size) if params else None
+REPLICATED = "_replicated_gradients"  # shard() puts the model's ReplicatedGradients under this attribute
+
+
+def reduce_replicated(model: nn.Module) -> None:
+    """After the step's last backward, on every rank: the gradients of the 0-d parameters that `shard` kept whole,
+    averaged over the ranks (nothing for a model without any, or not sharded)."""
+    replicated = getattr(getattr(model, "_orig_mod", model), REPLICATED, None)
+    if replicated is not None:
+        replicated.reduce()
 
 
 def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None) -> nn.Module:
     """`fully_shard` the units, the smallest first and each once (a list of modules as one unit), then the
     model, on a 1-D mesh over every rank. `dtype`: the --amp dtype parameters are gathered in (None: as they
     are). The 0-d parameters stay whole on every rank (`ignored_params`: not sharded, not reduced by FSDP; see
-    `replicated`), rank 0's values given to every rank."""
+    `reduce_replicated`), rank 0's values given to every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    scalars = {p for p in model.parameters() if p.dim() == 0}
+    scalars = [p for p in model.parameters() if p.dim() == 0]
     for param in scalars:
         torch.distributed.broadcast(param.detach(), 0)
-    ignored = {"ignored_params": scalars} if scalars else {}
+    ignored = {"ignored_params": set(scalars)} if scalars else {}
     done = set()
     if dtype is not None:
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -288,6 +293,9 @@ def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None)
             fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=policy, **ignored)
             done |= {id(m) for m in members}
     model = fully_shard(model, mesh=mesh, mp_policy=policy, **ignored)
+    trained = [p for p in model.parameters() if p.dim() == 0 and p.requires_grad]  # in the same order on every rank
+    if trained:
+        setattr(model, REPLICATED, ReplicatedGradients(trained, torch.distributed.get_world_size()))
     zero_unused_gradients(model)
     return model
 

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from customized_function import EarlyStopping
 from ddp_tricks.distributed.collectives import gather_from_ranks, gather_objects
-from ddp_tricks.distributed.fsdp import ReplicatedGradients, is_sharded
+from ddp_tricks.distributed.fsdp import is_sharded
 from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import TraceReduction
 from ddp_tricks.errors import UserError
@@ -90,7 +90,6 @@ class Training:
     on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
     reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
     sparse: SparseGradients | None = None  # the sparse tables' gradients, averaged apart from DDP's reducer
-    replicated: ReplicatedGradients | None = None  # --strategy fsdp: the 0-d parameters' gradients, averaged apart
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient: None, loop.py's plain one
     global_loss: bool = False  # the task's loss gathers from every rank: evaluation keeps the ranks in step
     noise: NoiseScale | None = None  # the gradient noise scale's moving averages (None: not measured)
