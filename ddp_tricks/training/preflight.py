@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ddp_tricks.distributed import fsdp
+from ddp_tricks.errors import UserError
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, seam
 from ddp_tricks.training.metric_states import Layout
@@ -128,6 +129,11 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         units = [unit for i, unit in enumerate(units) if i not in skipped]
         shard_line = fsdp.describe_units(model, units, folded)
     global_loss = seam.check_global_loss(task, model, dataset, collate, traced=setup.traced)
+    if setup.traced and setup.world_size > 1 and getattr(task, "collectives", False):
+        raise UserError(
+            "the task calls collectives itself in training (collectives = True), and a --batch-trace step gives the "
+            "ranks different numbers of micro-batches (some none), so their calls would not meet: drop --batch-trace"
+        )
     plan = make_plan(equal_shares(setup, task, sparse, global_loss))
     apex = setup.apex and setup.world_size > 1
     seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl, apex)
