@@ -284,6 +284,7 @@ def parse_tool(path: Path, args: list[str], monkeypatch) -> None:
     """tools/*.py and bench/*.py: the script's own argparse takes the flags (sweep.py: every cell's run.py flags
     too, as it checks them before its first cell); the run.py flags after `--` parse."""
     assert path.is_file(), f"no script {path}"
+    monkeypatch.syspath_prepend(str(path.resolve().parent))  # as `python SCRIPT` puts the script's folder first
     spec = importlib.util.spec_from_file_location(f"docs_test_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
