@@ -197,3 +197,22 @@ def test_tasks_of_other_families_evaluate_exactly_on_2_ranks_under_ddp_and_fsdp(
             reported = list(csv.DictReader(f))[-1]
         for column, value in _user_task_metrics(name, weights).items():
             assert float(reported[column]) == pytest.approx(value, rel=1e-6, abs=1e-9), (strategy, column)
+
+
+def test_metrics_gets_python_floats_for_scalar_sums_and_float64_cpu_tensors_for_shaped_ones():
+    """What docs/tasks.md tells a task's metrics(sums, count): count a float, a scalar sum a Python float, a shaped
+    sum a float64 tensor on the CPU. Broken on purpose: Layout.unflat giving a scalar as a 0-d tensor fails it."""
+    from ddp_tricks.training.metric_states import Layout, report
+
+    seen = {}
+
+    class Task:
+        def metrics(self, sums, count):
+            seen.update(sums, count=count)
+            return {"acc": sums["correct"] / count}
+
+    layout = Layout((("correct", ()), ("confusion", (2, 2))))
+    assert report(Task(), layout, "val", [1.0, 3.0, 1.0, 2.0, 3.0, 4.0], 4.0) == {"val_loss": 0.25, "val_acc": 0.75}
+    assert type(seen["correct"]) is float and type(seen["count"]) is float
+    assert seen["confusion"].dtype == torch.float64 and seen["confusion"].device.type == "cpu"
+    assert seen["confusion"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
