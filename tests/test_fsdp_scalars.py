@@ -163,7 +163,8 @@ def test_eval_only_of_a_sharded_best_pt_uses_its_task_state_and_its_ema(tmp_path
 
 def test_a_0d_parameter_where_fully_shard_cannot_keep_it_whole_is_one_line(monkeypatch):
     """torch 2.6's fully_shard has no `ignored_params` (its signature, stood in for here): a 0-d parameter is then
-    one line at start, naming it and the fix; a model without one passes.
+    one line at start, naming it and the fix; a model without one passes. With --amp fp16 (ShardedGradScaler takes
+    DTensor gradients only: a whole one fails its inf check with a traceback), one line on any torch.
     Broken on purpose: a check_scalars() that never refuses fails it (DID NOT RAISE)."""
     import torch.distributed.fsdp
 
@@ -171,6 +172,8 @@ def test_a_0d_parameter_where_fully_shard_cannot_keep_it_whole_is_one_line(monke
     from ddp_tricks.errors import UserError
 
     check_scalars(Scaled(nn.Linear(2, 2)))  # this torch keeps it whole
+    with pytest.raises(UserError, match=r"--amp fp16's ShardedGradScaler takes only sharded gradients: use --amp bf16"):
+        check_scalars(Scaled(nn.Linear(2, 2)), fp16=True)
 
     def fully_shard(module, *, mesh=None, reshard_after_forward=True, mp_policy=None, offload_policy=None):
         raise AssertionError("not called")
@@ -179,3 +182,22 @@ def test_a_0d_parameter_where_fully_shard_cannot_keep_it_whole_is_one_line(monke
     check_scalars(nn.Linear(2, 2))
     with pytest.raises(UserError, match=r"parameter 'temperature' is 0-d, .* make it 1-d .*--strategy ddp"):
         check_scalars(Scaled(nn.Linear(2, 2)))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(300)
+def test_a_0d_parameter_under_fsdp_on_cuda_with_bf16_trains_like_ddp(tmp_path):
+    """One process on the GPU (an FSDP group of one), bf16 and clipping: the temperature stays a whole 0-d
+    float32 tensor on the device (FSDP's policy casts only what it shards) and the run reports DDP's epoch within
+    bf16's rounding."""
+    from multiproc import python_run
+
+    flags = [*TEMPERATURE, "--device", "cuda", "--amp", "bf16", "-b", "32", "-e", "1", "--runs-dir", str(tmp_path)]
+    for strategy in ("ddp", "fsdp"):
+        result = python_run([*flags, "--strategy", strategy, "-n", strategy])
+        assert result.returncode == 0, (strategy, result.stderr[-3000:])
+    expected, got = _rows(tmp_path / "ddp")[0], _rows(tmp_path / "fsdp")[0]
+    assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=0.02), (got, expected)
+    temperature = torch.load(tmp_path / "fsdp" / "best.pt", weights_only=True)["model"]["temperature"]
+    assert temperature.dim() == 0 and temperature.dtype == torch.float32

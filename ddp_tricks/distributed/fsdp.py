@@ -222,13 +222,22 @@ def scalar_parameters(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.dim() == 0]
 
 
-def check_scalars(model: nn.Module) -> None:
+def check_scalars(model: nn.Module, fp16: bool = False) -> None:
     """Before any process group: a 0-d parameter needs fully_shard's `ignored_params` (torch >= 2.7) to be kept
-    whole; on an older torch, one line naming it and the fix."""
+    whole; on an older torch, one line naming it and the fix. So does --amp fp16: ShardedGradScaler unscales every
+    gradient as a DTensor, and a whole one beside them fails its inf check."""
+    names = scalar_parameters(model)
+    if not names:
+        return
+    if fp16:
+        raise UserError(
+            f"parameter {names[0]!r} is 0-d, kept whole beside FSDP's shards, and --amp fp16's ShardedGradScaler "
+            "takes only sharded gradients: use --amp bf16, make it 1-d (nn.Parameter(torch.tensor([value]))), or "
+            "train with --strategy ddp"
+        )
     from torch.distributed.fsdp import fully_shard
 
-    names = scalar_parameters(model)
-    if names and "ignored_params" not in inspect.signature(fully_shard).parameters:
+    if "ignored_params" not in inspect.signature(fully_shard).parameters:
         raise UserError(
             f"parameter {names[0]!r} is 0-d, and FSDP in torch {torch.__version__} cannot shard it nor keep it whole: "
             f"make it 1-d (nn.Parameter(torch.tensor([value]))), use torch >= 2.7, or train with --strategy ddp"

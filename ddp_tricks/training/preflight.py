@@ -29,6 +29,7 @@ class Setup:
     lars_wrap: bool = False
     nccl: bool = False  # the backend between the ranks is nccl
     apex: bool = False  # --amp-backend apex
+    fp16: bool = False  # --amp fp16
     ddp_waits_for_every_gradient: bool = False  # DDP without --find-unused-parameters or --static-graph
     traced: bool = False  # --batch-trace: a traced run reduces its gradients itself (no DDP reducer)
     sync_bn: bool = False  # --sync-bn
@@ -122,7 +123,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units, shard_line = [], None
     if setup.strategy == "fsdp":
-        fsdp.check_scalars(model)
+        fsdp.check_scalars(model, setup.fp16)
         units = fsdp.shard_units(task, model)
         skipped = fsdp.skipped(model, units, seam.module_calls(model, dataset, collate))
         folded = [units[i] for i in skipped]
