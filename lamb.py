@@ -83,7 +83,7 @@ class LAMB(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        updates = []  # (group, params, the sub-lists of one device and dtype, as local slices, and their u)
+        updates = []  # (group, and for each run of one device and dtype: its parameters, their local slices, their u)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in group["params"]:
@@ -105,9 +105,7 @@ class LAMB(Optimizer):
                 exp_avg_sqs.append(local(state["exp_avg_sq"]))
                 steps.append(state["step"])
             if params:
-                updates += [
-                    (group, params, *sub) for sub in _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group)
-                ]
+                updates += [(group, *sub) for sub in _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group)]
         work = [(group, params, shard_group(params), sub, u) for group, params, sub, u in updates]
         ratios = trust_ratios(work, lambda item: [item[3], item[4]], lambda group: (0.0, 1.0, 0.0), trust_ratio)
         for (group, _, _, sub, u), sub_ratios in zip(work, ratios):
@@ -131,9 +129,9 @@ def _step_in_mode(step, capturable: bool, device: torch.device):
     return step
 
 
-def _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> list[tuple[list, list]]:
-    """Adam's moments updated in place, and for each run of parameters of one device and dtype, (their local
-    slices, u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w), before the trust ratio."""
+def _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> list[tuple[list, list, list]]:
+    """Adam's moments updated in place, and for each run of parameters of one device and dtype, (the parameters,
+    their local slices, u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w), before the trust ratio."""
     beta1, beta2 = group["betas"]
     eps, wd = group["eps"], group["weight_decay"]
     slices = [local(p) for p in params]
@@ -161,7 +159,7 @@ def _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> list[tu
             torch._foreach_div_(u, bc1)  # m_hat / (sqrt(v_hat) + eps)
         if wd != 0:
             torch._foreach_add_(u, dev_params, alpha=wd)
-        updates.append((dev_params, u))
+        updates.append(([params[i] for i in indices], dev_params, u))
     return updates
 
 

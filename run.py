@@ -73,7 +73,7 @@ def run(flags, task, process: launch.Launch) -> int:
     loaders.check_sizes(len(train_set), len(val_set), process.world_size)
     model = task.model()
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
-    state = checkpoint.load(resume_from, flags.strategy) if resume_from else None
+    state = checkpoint.load(resume_from, flags.strategy, evaluation=flags.eval_only) if resume_from else None
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     setup = preflight.Setup(process.world_size, nccl=nccl, **cli.check_options(flags))
     plan, found = preflight.check(  # one record of what the checks found: what comes after takes it

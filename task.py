@@ -89,6 +89,12 @@ class Task:
 
         if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
             raise UserError("--dataset imagefolder needs --train-dir and --val-dir (one sub-folder per class)")
+        folders = [flag for flag, path in (("--train-dir", args.train_dir), ("--val-dir", args.val_dir)) if path]
+        if folders and args.dataset != "imagefolder":  # said, not ignored: the run would train on the other data
+            raise UserError(
+                f"{folders[0]} is read only with --dataset imagefolder, and this run trains on --dataset "
+                f"{args.dataset}: add --dataset imagefolder, or leave {' and '.join(folders)} out"
+            )
         if args.data_backend != "torchvision" and args.dataset != "imagefolder":
             raise UserError(f"--data-backend {args.data_backend} applies to --dataset imagefolder only; leave it out")
         if not 0.0 <= args.label_smoothing < 1.0:

@@ -1,7 +1,8 @@
 """Sharded tensors for the optimizers: FSDP2 holds each parameter as a DTensor, every rank a slice of it. The
 optimizers update the slices in place (`local`), keep their state sharded like the parameter (`like`), and get
 the norm of each WHOLE tensor from the slices' squared norms, summed across the ranks in one all-reduce for all
-the tensors of a step (`whole_norms`). Whole (unsharded) tensors pass through every function unchanged.
+the tensors of a step (`whole_norms`). Whole (unsharded) tensors pass through every function unchanged; beside sharded
+ones (the 0-d parameters FSDP keeps whole on every rank) their squared norms enter that all-reduce from rank 0 only.
 """
 
 from __future__ import annotations
@@ -29,19 +30,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def shard_group(params: list[torch.Tensor]):
-    """The process group over which `params` are sharded (None: whole tensors): a 2-D (HSDP) mesh's shard
-    dimension. One group's tensors are all sharded or all whole."""
-    sharded = [is_dtensor(p) for p in params]
-    if not any(sharded):
+    """The process group over which some of `params` are sharded (None: all whole tensors): a 2-D (HSDP) mesh's
+    shard dimension."""
+    sharded = [p for p in params if is_dtensor(p)]
+    if not sharded:
         return None
-    if not all(sharded):
-        raise ValueError("a parameter group mixes sharded (DTensor) and whole parameters; keep them in separate groups")
-    mesh = params[0].device_mesh
+    mesh = sharded[0].device_mesh
     if mesh.ndim == 1:
         return mesh.get_group()
     # HSDP (replicas x shards): the norms are summed over the shard dimension only; every replica holds the same
     # slices, and a whole-world sum would count each of them once per replica
-    return mesh.get_group(mesh_dim=next(i for i, p in enumerate(params[0].placements) if p.is_shard()))
+    return mesh.get_group(mesh_dim=next(i for i, p in enumerate(sharded[0].placements) if p.is_shard()))
 
 
 def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -54,15 +53,21 @@ def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(value, mesh, placements, shape=param.shape, stride=param.stride(), run_check=False)
 
 
-def whole_norms(lists: list[list[torch.Tensor]], group=None) -> list[torch.Tensor]:
+def whole_norms(
+    lists: list[list[torch.Tensor]], group=None, whole: list[list[bool]] | None = None
+) -> list[torch.Tensor]:
     """The 2-norm of every tensor in `lists` (one 1-D tensor per list). The tensors are whole ones, or this rank's
     slices of tensors sharded over `group`: then the squared norms of all the slices of all the lists are summed
-    across the ranks in one all-reduce, whatever the number of tensors. No host sync."""
+    across the ranks in one all-reduce, whatever the number of tensors. `whole` (like `lists`): True where a tensor
+    is whole on every rank beside sharded ones: counted from rank 0 only. No host sync."""
     norms = [torch.stack(torch._foreach_norm(tensors, 2, dtype=_norm_dtype(tensors[0]))) for tensors in lists]
     if group is None or not norms:
         return norms
     dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
     squares = torch.cat([n.to(dtype) for n in norms]).square()
+    if whole is not None and dist.get_rank(group) != 0 and any(any(w) for w in whole):
+        counted = torch.tensor([not w for ws in whole for w in ws], dtype=dtype, device=squares.device)
+        squares = squares * counted
     dist.all_reduce(squares, group=group)
     return [part.sqrt().to(n.dtype) for part, n in zip(squares.split([len(n) for n in norms]), norms)]
 
@@ -73,10 +78,30 @@ def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio) -> list[tor
     of the two lists `tensors_of(item)` gives (the weights, and what the ratio compares them with), all of them
     from one `whole_norms` call: one all-reduce per step however many tensors are sharded."""
     scaled = [item for item in work if item[0].get("lars", True)]
-    shards = {item[2] for item in scaled}
+    shards = {item[2] for item in scaled if item[2] is not None}
     if len(shards) > 1:
-        raise ValueError("the optimizer holds sharded and whole parameters in different groups; shard all or none")
-    lists = [tensors for item in scaled for tensors in tensors_of(item)]
-    norms = iter(whole_norms(lists, shards.pop() if shards else None))
+        raise ValueError("the optimizer's parameters are sharded over different process groups; shard them over one")
+    lists, whole = [], []
+    for item in scaled:
+        for tensors in tensors_of(item):
+            lists.append(tensors)
+            whole.append([not is_dtensor(p) for p in item[1]])
+    norms = iter(whole_norms(lists, shards.pop() if shards else None, whole))
     on = {id(item) for item in scaled}
     return [ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in on else None for item in work]
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_` (2-norm), also where sharded parameters sit beside whole ones (which torch's refuses
+    to stack): the total norm from `whole_norms` (one all-reduce over the shard group), every gradient scaled by the
+    same coefficient. The total norm before clipping, on the device (no host sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [is_dtensor(g) for g in grads]
+    if all(sharded) or not any(sharded):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = whole_norms([[local(g)] for g in grads], shard_group(grads), [[not s] for s in sharded])
+    total = torch.linalg.vector_norm(torch.cat([n.float() for n in norms]))
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local(g).mul_(coefficient.to(g.dtype))
+    return total

@@ -25,6 +25,8 @@ CASES = {
     "name with slash": (["-n", "a/b"], "must be a plain folder name"),
     "nccl on cpu": (["--device", "cpu", "--backend", "nccl"], "--backend nccl needs CUDA"),
     "imagefolder without dirs": (["--dataset", "imagefolder"], "needs --train-dir and --val-dir"),
+    "train-dir without imagefolder": (["--train-dir", "x"], "--train-dir is read only with --dataset imagefolder, and"),
+    "val-dir with mnist": (["--dataset", "mnist", "--val-dir", "x"], "this run trains on --dataset mnist: add --dat"),
     "unknown model": (["--model", "resnet9000"], "--model 'resnet9000' is unknown"),
     # no surprises (#12): argparse's own words replaced, typos get a suggestion, ignored flags refused
     "epochs not an integer": (["-e", "1.5"], "argument -e/--epochs: must be a positive integer, got '1.5'"),

@@ -401,3 +401,36 @@ def test_plot_lr_shows_the_trace_rule(tmp_path):
     # 44 steps of 32, then 64, 128, 256, 512; reference batch = the first (32); LR 0.05 x B_i / 32
     assert len(lrs) == 84 and lrs[0] == pytest.approx(0.05) and lrs[44] == pytest.approx(0.1)
     assert lrs[-1] == pytest.approx(0.05 * 512 / 32)
+
+
+COUNTS_IN_LOSS = """
+import torch
+import torch.distributed as dist
+from task import Task
+
+
+class CountsInLoss(Task):
+    collectives = True
+
+    def loss(self, outputs, targets):
+        count = torch.tensor([float(len(targets))])
+        if dist.is_initialized():  # in training: every rank must call it as often (the start-up check has no group)
+            dist.all_reduce(count)
+        return super().loss(outputs, targets)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_task_s_own_collectives_with_a_batch_trace_on_several_ranks_are_one_line_at_start(tmp_path):
+    """`collectives = True` and --batch-trace on 2 ranks: doubling.csv's steps of 32 at -b 32 leave rank 1 without a
+    micro-batch, so the loss's all_reduce would meet the trace's gradient reduction; refused at start, exit 2 on
+    every rank. Broken on purpose: without the check (training/preflight.py) the job ends in a collective mismatch
+    mid-run (rank 0 aborted, exit -6 and 1), which fails it."""
+    (tmp_path / "counts.py").write_text(COUNTS_IN_LOSS)
+    trace = str(REPO / "examples" / "traces" / "doubling.csv")
+    argv = ["--task", f"{tmp_path / 'counts.py'}:CountsInLoss", "--batch-trace", trace, "-b", "32", "-e", "1",
+            "--no-progress", "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
+    result = launch(argv)
+    assert result.exitcodes == [2, 2], (result.exitcodes, result.stderr[-3000:])
+    assert "(collectives = True), and a --batch-trace step gives the ranks different numbers" in result.stderr

@@ -46,8 +46,10 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.mark.timeout(180)
 def test_a_stopped_rank_ends_the_job_with_a_line_per_rank_and_the_live_stacks(tmp_path):
     """Rank 1 stops itself (SIGSTOP) at its 30th step: within --heartbeat-timeout (5 s here) and a few seconds, the job
-    ends with HUNG, saying rank 1 is silent and where each rank was, rank 0's stacks in the run folder. Broken on
-    purpose: an observer that never finds a silent rank (heartbeat.py) fails it (the job runs until the timeout)."""
+    ends with HUNG, saying rank 1 is silent and where each rank was, rank 0's stacks in the run folder, and no empty
+    stacks file of the stopped rank (opened for an abort that never came). Broken on purpose: an observer that never
+    finds a silent rank (heartbeat.py) fails it (the job runs until the timeout); so does end_silent() leaving the
+    silent rank's empty stacks file."""
     args = [*TASK, "--batch-size", "4", "--epochs", "1", "--runs-dir", tmp_path, "-n", "stop"]
     with Job([*args, "--heartbeat-timeout", "5"], env=env(FAULT="stop", AT=30)) as job:
         wait_for(lambda: state(job.pids[1]) == "T" or job.poll() is not None, 120, "rank 1 to stop")
@@ -66,6 +68,19 @@ def test_a_stopped_rank_ends_the_job_with_a_line_per_rank_and_the_live_stacks(tm
     assert "another process of the job is gone" not in err
     stacks = (tmp_path / "stop" / "stacks-rank0.txt").read_text()
     assert "Thread MainThread" in stacks and "ddp_tricks-watchdog" in stacks and "_train_steps" in stacks
+    assert not (tmp_path / "stop" / "stacks-rank1.txt").exists()
+
+
+def test_a_rank_s_line_names_its_phase_and_step_in_words():
+    """A rank's line says "train step 26", "in its first step, step 47" (it read "first step step 47"); other phases
+    without a step.
+    Broken on purpose: the old `phase + " step N"` fails it."""
+    from ddp_tricks.distributed.heartbeat import describe
+
+    beat = {"waits": "", "where": "run.py train()", "idle": 0.0, "step": 47}
+    assert describe(beat | {"phase": "first step"}) == "in its first step, step 47, is at run.py train() (idle 0 s)"
+    assert describe(beat | {"phase": "train", "step": 26}) == "train step 26, is at run.py train() (idle 0 s)"
+    assert describe(beat | {"phase": "evaluate", "waits": "all_reduce"}).startswith("evaluate, waits in all_reduce")
 
 
 @pytest.mark.slow

@@ -47,9 +47,17 @@ def test_the_top_holds_only_what_users_run_edit_or_import_alone():
 
 
 def test_no_module_is_over_450_lines():
+    """The package's modules and the top's, and the scripts of bench/, tools/ and examples/ too. Broken on purpose:
+    bench/peers.py as it was (567 lines, its loops and its driver in one file) fails it."""
     long = {
         str(p.relative_to(REPO)): n
-        for p in [*REPO.glob("*.py"), *REPO.glob("ddp_tricks/**/*.py")]
+        for p in [
+            *REPO.glob("*.py"),
+            *REPO.glob("ddp_tricks/**/*.py"),
+            *REPO.glob("bench/*.py"),
+            *REPO.glob("tools/*.py"),
+            *REPO.glob("examples/**/*.py"),
+        ]  # fmt: skip
         if (n := len(p.read_text().splitlines())) > 450
     }
     assert long == {}

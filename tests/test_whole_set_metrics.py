@@ -221,3 +221,22 @@ def test_five_validation_digits_at_batch_1_report_one_process_s_recall_with_each
     assert len(reported) == 2 and all(float(r["val_rows"]) == 5 for r in reported)
     expected = _user_task_metrics("FewRetrieval", weights)["val_recall_at_1"]
     assert float(reported[-1]["val_recall_at_1"]) == pytest.approx(expected, abs=1e-12)
+
+
+def test_metrics_gets_python_floats_for_scalar_sums_and_float64_cpu_tensors_for_shaped_ones():
+    """What docs/tasks.md tells a task's metrics(sums, count): count a float, a scalar sum a Python float, a shaped
+    sum a float64 tensor on the CPU. Broken on purpose: Layout.unflat giving a scalar as a 0-d tensor fails it."""
+    from ddp_tricks.training.metric_states import Layout, report
+
+    seen = {}
+
+    class Task:
+        def metrics(self, sums, count):
+            seen.update(sums, count=count)
+            return {"acc": sums["correct"] / count}
+
+    layout = Layout((("correct", ()), ("confusion", (2, 2))))
+    assert report(Task(), layout, "val", [1.0, 3.0, 1.0, 2.0, 3.0, 4.0], 4.0) == {"val_loss": 0.25, "val_acc": 0.75}
+    assert type(seen["correct"]) is float and type(seen["count"]) is float
+    assert seen["confusion"].dtype == torch.float64 and seen["confusion"].device.type == "cpu"
+    assert seen["confusion"].tolist() == [[1.0, 2.0], [3.0, 4.0]]

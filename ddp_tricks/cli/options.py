@@ -78,6 +78,7 @@ def check_options(flags: argparse.Namespace) -> dict:
         "optimizer": flags.optimizer,
         "lars_wrap": flags.lars_wrap,
         "apex": flags.amp_backend == "apex",
+        "fp16": flags.amp == "fp16",
         "ddp_waits_for_every_gradient": flags.strategy == "ddp"
         and not (flags.find_unused_parameters or flags.static_graph),
         "traced": flags.batch_trace is not None,

@@ -8,10 +8,14 @@ skip (a mixture of experts' expert, a conditional branch), and its siblings in a
 into the unit that holds them: its all-gather would wait for the ranks that skip it. Parameters unused on a rank
 get zero gradients in the reduce-scatter, so ranks that use different experts reduce the same tensors. Mixed
 precision is FSDP's policy: parameters gathered in the --amp dtype, gradients reduced in float32, BatchNorm layers
-kept in float32 as their own units (their running statistics are float32).
+kept in float32 as their own units (their running statistics are float32). A 0-d parameter (CLIP's learnable
+temperature; fully_shard refuses to shard one) is kept whole on every rank, outside FSDP (`ignored_params`), and
+`reduce_replicated` averages its gradient over the ranks after the step's last backward, as DDP would.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -213,10 +217,69 @@ def _describe(model: nn.Module, units: list[Unit], index) -> str:
     return f"the unit {names[0]}" if len(names) == 1 else f"the unit [{', '.join(names)}]"
 
 
+def scalar_parameters(model: nn.Module) -> list[str]:
+    """The names of the model's 0-d parameters: fully_shard cannot shard them, so they are kept whole (`shard`)."""
+    return [name for name, p in model.named_parameters() if p.dim() == 0]
+
+
+def check_scalars(model: nn.Module, fp16: bool = False) -> None:
+    """Before any process group: a 0-d parameter needs fully_shard's `ignored_params` (torch >= 2.7) to be kept
+    whole; on an older torch, one line naming it and the fix. So does --amp fp16: ShardedGradScaler unscales every
+    gradient as a DTensor, and a whole one beside them fails its inf check."""
+    names = scalar_parameters(model)
+    if not names:
+        return
+    if fp16:
+        raise UserError(
+            f"parameter {names[0]!r} is 0-d, kept whole beside FSDP's shards, and --amp fp16's ShardedGradScaler "
+            "takes only sharded gradients: use --amp bf16, make it 1-d (nn.Parameter(torch.tensor([value]))), or "
+            "train with --strategy ddp"
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    if "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise UserError(
+            f"parameter {names[0]!r} is 0-d, and FSDP in torch {torch.__version__} cannot shard it nor keep it whole: "
+            f"make it 1-d (nn.Parameter(torch.tensor([value]))), use torch >= 2.7, or train with --strategy ddp"
+        )
+
+
+class ReplicatedGradients:
+    """The gradients of the parameters that FSDP leaves whole on every rank (the 0-d ones), averaged over the ranks by
+    `reduce()`, which every rank calls once per optimizer step after the step's last backward: one all-reduce of
+    their gradients together, a zero gradient where this rank's step did not use one (every rank takes part)."""
+
+    def __init__(self, params: list[nn.Parameter], world_size: int):
+        self.params = params
+        self.world_size = world_size
+
+    def reduce(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= self.world_size
+        for p, g, mean in zip(self.params, grads, flat.split([g.numel() for g in grads])):
+            p.grad = mean.reshape(g.shape).to(g.dtype)
+
+
+REPLICATED = "_replicated_gradients"  # shard() puts the model's ReplicatedGradients under this attribute
+
+
+def reduce_replicated(model: nn.Module) -> None:
+    """After the step's last backward, on every rank: the gradients of the 0-d parameters that `shard` kept whole,
+    averaged over the ranks (nothing for a model without any, or not sharded)."""
+    replicated = getattr(getattr(model, "_orig_mod", model), REPLICATED, None)
+    if replicated is not None:
+        replicated.reduce()
+
+
 def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None, mesh=None) -> nn.Module:
     """`fully_shard` the units, the smallest first and each once (a list of modules as one unit), then the
     model, on `mesh` (a 2-D one: HSDP, replicas x shards; None: a 1-D mesh over every rank). `dtype`: the --amp
-    dtype parameters are gathered in (None: as they are)."""
+    dtype parameters are gathered in (None: as they are). The 0-d parameters stay whole on every rank
+    (`ignored_params`: not sharded, not reduced by FSDP; see `reduce_replicated`), rank 0's values given to every
+    rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -224,19 +287,26 @@ def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None,
     if mesh is None:
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    scalars = [p for p in model.parameters() if p.dim() == 0]
+    for param in scalars:
+        torch.distributed.broadcast(param.detach(), 0)
+    ignored = {"ignored_params": set(scalars)} if scalars else {}
     done = set()
     if dtype is not None:
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and any(True for _ in module.parameters()):
-                fully_shard(module, mesh=mesh, mp_policy=full)
+                fully_shard(module, mesh=mesh, mp_policy=full, **ignored)
                 done.add(id(module))
     for i in _in_order(units):
         members = [m for m in _members(units[i]) if id(m) not in done]
         if members:
-            fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=policy)
+            fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=policy, **ignored)
             done |= {id(m) for m in members}
-    model = fully_shard(model, mesh=mesh, mp_policy=policy)
+    model = fully_shard(model, mesh=mesh, mp_policy=policy, **ignored)
+    trained = [p for p in model.parameters() if p.dim() == 0 and p.requires_grad]  # in the same order on every rank
+    if trained:
+        setattr(model, REPLICATED, ReplicatedGradients(trained, torch.distributed.get_world_size()))
     zero_unused_gradients(model)
     return model
 

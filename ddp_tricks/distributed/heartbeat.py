@@ -246,7 +246,7 @@ class Heart:
             else:
                 state = process_state(b) or "no answer"
                 lines.append(f"rank {r}: silent for {now - self.seen[r][1]:.0f} s ({state}); last heard: {describe(b)}")
-                end_silent(b, self.host)
+                end_silent(b, self.host, stacks_path(r))
         return "\n".join(lines)
 
 
@@ -278,7 +278,9 @@ def _ranks(ranks: list[int]) -> str:
 def describe(b: dict) -> str:
     """Where a rank waits or works, from its heartbeat: phase, step, the collective, the first frame of its code."""
     doing = f"waits in {b['waits']}" if b["waits"] else "compiles" if b.get("compiles") else "is"
-    phase_at = b["phase"] + (f" step {b['step']}" if b["phase"] in ("train", "first step") else "")
+    phase_at = {"train": f"train step {b['step']}", "first step": f"in its first step, step {b['step']}"}.get(
+        b["phase"], b["phase"]
+    )
     stacks = f"; stacks in {b['stacks']}" if b.get("stacks") else ""
     return f"{phase_at}, {doing} at {b['where']} (idle {b['idle']:.0f} s){stacks}"
 
@@ -297,14 +299,24 @@ def process_state(b: dict) -> str:
     )
 
 
-def end_silent(b: dict, host: str) -> None:
+def end_silent(b: dict, host: str, stacks: Path | None = None) -> None:
     """A silent rank on this host is ended (SIGKILL reaches a stopped process), so that its launcher sees every
-    worker end and, under --max-restarts, restarts the job."""
-    if b["host"] == host:
-        try:
-            os.kill(b["pid"], 9)
-        except OSError:
-            pass
+    worker end and, under --max-restarts, restarts the job. Its `stacks` file, opened for an abort that never came
+    (a stopped or killed process writes nothing), goes if it is empty."""
+    if b["host"] != host:
+        return
+    try:
+        os.kill(b["pid"], 9)
+    except OSError:
+        pass
+    if stacks is not None and stacks.is_file() and stacks.stat().st_size == 0:
+        stacks.unlink(missing_ok=True)
+
+
+def stacks_path(rank: int) -> Path | None:
+    """Where rank `rank` writes its stacks (the run folder; None before there is one)."""
+    run_dir = _settings["run_dir"]
+    return None if run_dir is None else Path(run_dir) / f"stacks-rank{rank}.txt"
 
 
 def settings() -> dict:

@@ -24,10 +24,11 @@ def preempted(where: str, strategy: str) -> str:
     return f"preempted {where}: {LAST[strategy]} written; continue with --resume auto"
 
 
-def load(path: str | Path, strategy: str = "ddp", resumable: bool = True) -> dict[str, Any]:
+def load(path: str | Path, strategy: str = "ddp", resumable: bool = True, evaluation: bool = False) -> dict[str, Any]:
     """Read a checkpoint without running any code from it: a last.pt/best.pt file (--strategy ddp), or a sharded
     checkpoint's folder (fsdp; its sharded tensors still placeholders, see sharded.fill). A bad file, or one of
-    the other strategy, is a UserError naming it. `resumable=False`: the weights are all that is wanted."""
+    the other strategy, is a UserError naming it. `resumable=False`: the weights are all that is wanted.
+    `evaluation` (--eval-only): a sharded run's best.pt (its whole weights, EMA and task state) too, any strategy."""
     path = Path(path)
     if path.is_dir():
         if not (path / ".metadata").exists() and not (path / sharded.STATE).exists():  # any folder is not one
@@ -51,7 +52,9 @@ def load(path: str | Path, strategy: str = "ddp", resumable: bool = True) -> dic
         raise UserError(f"{not_ours} (or is corrupt); {fix}") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"{not_ours} (it has no model/epoch entries); {fix}")
-    if resumable and state.get("strategy") == "fsdp" and "optimizer" not in state:  # a sharded run's best.pt
+    if state.get("strategy") == "fsdp" and "optimizer" not in state and evaluation:  # a sharded run's best.pt
+        return state
+    if resumable and state.get("strategy") == "fsdp" and "optimizer" not in state:
         raise UserError(
             f"checkpoint {str(path)!r} holds the model's weights only (a sharded run's best.pt): load them into "
             f"the model with torch.load(..., weights_only=True)['model'], or resume from the run's {sharded.LINK}"
@@ -156,7 +159,8 @@ class Checkpoints:
 
     def save(self, t, also_best: bool = False) -> None:
         """The training state `t` into the run's checkpoint (atomically), and best.pt too; never non-finite
-        weights over the last good ones. A sharded run's best.pt holds the whole model's weights only."""
+        weights over the last good ones. A sharded run's best.pt holds the whole model's weights (and EMA), the task's
+        state and the counters: what --eval-only reads, not a resumable state."""
         heartbeat.phase("checkpoint")  # long legitimate work: the watchdog does not take it for a hang
         t.raise_if_nonfinite(check_weights=True)
         meta = {"config": self.config, "torch_version": str(torch.__version__), "strategy": self.strategy}
@@ -169,6 +173,7 @@ class Checkpoints:
                 ema = None if t.ema is None else t.ema.state_dict() | {"weights": t.ema.full_weights()}  # also
                 if self.is_main:
                     best = {"model": weights, "ema": ema, "epoch": t.completed_epochs, "best": t.best.state_dict()}
+                    best |= {"global_step": t.global_step, "task": t.task_state()}  # --eval-only reads them
                     save(best | meta, self.folder / "best.pt")
             return
         state = t.state_dict() | meta

@@ -86,7 +86,7 @@ class ModelEma:
         with torch.no_grad():
             source = model.state_dict() if state is None else state["weights"]
             for name, mine in self.weights.items():
-                local(mine).copy_(local(source[name]))
+                local(mine).copy_(local(_as_slice(source[name], mine)))
         self.updates = 0 if state is None else int(state["updates"])
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -95,6 +95,16 @@ class ModelEma:
 
     def describe(self) -> str:
         return f"the EMA of the weights, decay {self.decay:g}{' with warmup' if self.warmup else ''}"
+
+
+def _as_slice(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`value` as `like` holds it: a whole tensor (a sharded run's best.pt, the same on every rank) as a DTensor like
+    `like`, whose local slice is this rank's."""
+    if not is_dtensor(like) or is_dtensor(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements)  # a collective: every rank
 
 
 def _free_gathered(model: nn.Module) -> None:

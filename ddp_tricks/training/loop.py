@@ -27,6 +27,7 @@ from ddp_tricks.distributed.collectives import (
     sum_to_host,
     uneven_rows,
 )
+from ddp_tricks.distributed.fsdp import reduce_replicated
 from ddp_tricks.distributed.wrap import accumulating, name_unused_parameters
 from ddp_tricks.plan import Step
 from ddp_tricks.training import noise, precise_bn
@@ -196,6 +197,7 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, log, after_
                 t.epoch_samples += samples
         if t.sparse is not None:  # the sparse tables' gradients, averaged over the ranks (DDP's reducer: the rest)
             t.sparse.reduce()
+        reduce_replicated(t.model)  # --strategy fsdp: the 0-d parameters kept whole, their gradients averaged
         big = step.batch if units_of is None else t.step_units  # the step's units over every rank
         if t.reduction is not None:  # a traced step: its gradients reduced (and its noise scale measured) here
             gain = t.reduction.finish(step.batch, t.precision.loss_scale(), units=big)

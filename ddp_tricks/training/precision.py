@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
+
+from ddp_tricks import shards
 
 DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -73,7 +74,7 @@ class Precision:
         if self.scaler is not None and clip_grad_norm > 0:
             self.scaler.unscale_(optimizer)
         if clip_grad_norm > 0:
-            self.grad_norm = nn.utils.clip_grad_norm_(params, clip_grad_norm)  # on the device: read by a row
+            self.grad_norm = shards.clip_grad_norm_(params, clip_grad_norm)  # on the device: read by a row
         if lr_factor != 1.0:
             lrs = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:

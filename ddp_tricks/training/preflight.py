@@ -14,6 +14,7 @@ from torch import nn
 
 from ddp_tricks import activations
 from ddp_tricks.distributed import fsdp, mesh
+from ddp_tricks.errors import UserError
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, flops, seam
 from ddp_tricks.training.flops import Flops
@@ -30,6 +31,7 @@ class Setup:
     lars_wrap: bool = False
     nccl: bool = False  # the backend between the ranks is nccl
     apex: bool = False  # --amp-backend apex
+    fp16: bool = False  # --amp fp16
     ddp_waits_for_every_gradient: bool = False  # DDP without --find-unused-parameters or --static-graph
     traced: bool = False  # --batch-trace: a traced run reduces its gradients itself (no DDP reducer)
     sync_bn: bool = False  # --sync-bn
@@ -130,6 +132,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units, shard_line, checkpointing_line = [], None, None
     if setup.strategy == "fsdp":
+        fsdp.check_scalars(model, setup.fp16)
         units = fsdp.shard_units(task, model)
         skipped = fsdp.skipped(model, units, seam.module_calls(model, dataset, collate))
         folded = [units[i] for i in skipped]
@@ -142,6 +145,11 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     if setup.checkpointing:
         checkpointing_line = activations.describe(model, units, setup.checkpointing)
     global_loss = seam.check_global_loss(task, model, dataset, collate, traced=setup.traced)
+    if setup.traced and setup.world_size > 1 and getattr(task, "collectives", False):
+        raise UserError(
+            "the task calls collectives itself in training (collectives = True), and a --batch-trace step gives the "
+            "ranks different numbers of micro-batches (some none), so their calls would not meet: drop --batch-trace"
+        )
     plan = make_plan(equal_shares(setup, task, sparse, global_loss))
     apex = setup.apex and setup.world_size > 1
     seam.check_sparse(sparse, setup.optimizer, setup.lars_wrap, setup.strategy, plan.traced, setup.nccl, apex)

@@ -252,15 +252,23 @@ class Training:
             "skipped_steps": self.skipped_steps,
             "best": self.best.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,  # sharded like the model under FSDP
-            "task": self.task.state_dict() if callable(getattr(self.task, "state_dict", None)) else None,  # rank 0's
+            "task": self.task_state(),
             "rng": rng,
             "world_size": self.world_size,
         } | {name: part.state_dict() for name, part in self.parts.items()}
 
+    def task_state(self) -> dict | None:
+        """The task's own state (a DINO centre), rank 0's; None for a task without `state_dict()`."""
+        return self.task.state_dict() if callable(getattr(self.task, "state_dict", None)) else None
+
     def load_state_dict(self, state: dict, source: str) -> None:
         """Everything a checkpoint holds, the model's weights included. A sharded checkpoint's slices are read
         here, cut to this run's shards (`source`: its folder). Where the checkpoint followed another monitored
-        metric, this run's best and early stopping start fresh."""
+        metric, this run's best and early stopping start fresh. A sharded run's best.pt (--eval-only; no optimizer
+        state): its weights are in the model already (before sharding), its EMA, task state and counters here."""
+        if "optimizer" not in state:
+            self._load_for_evaluation(state)
+            return
         if self.sharded:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             state = sharded.fill(state, source, self.raw_model, params)
@@ -290,8 +298,7 @@ class Training:
             self.noise.unpack(resume_rows(state["noise"], self.rank, self.world_size, mean=True))
         if self.ema is not None:  # a checkpoint without one: the EMA starts from the resumed weights
             self.ema.load_state_dict(state.get("ema"), self.raw_model)
-        if state.get("task") is not None and callable(getattr(self.task, "load_state_dict", None)):
-            self.task.load_state_dict(state["task"])
+        self._load_task(state)
         for name, part in self.parts.items():  # a checkpoint from before a part: the part starts fresh
             part.load_state_dict(state.get(name))
         self.global_step = self.first_global_step = state["global_step"]
@@ -302,6 +309,19 @@ class Training:
             self.resume_sums = resume_rows(state["epoch_sums"], self.rank, self.world_size)
             saved_rng = state["rng"]  # another world size's ranks draw differently anyway (Plan: same samples)
             self.resume_rng = saved_rng[self.rank] if len(saved_rng) == self.world_size else None
+
+    def _load_task(self, state: dict) -> None:
+        if state.get("task") is not None and callable(getattr(self.task, "load_state_dict", None)):
+            self.task.load_state_dict(state["task"])
+
+    def _load_for_evaluation(self, state: dict) -> None:
+        """A sharded run's best.pt: the EMA's whole weights (cut to this run's slices), the task's state, the
+        counters the evaluation row shows."""
+        if self.ema is not None:
+            self.ema.load_state_dict(state.get("ema"), self.raw_model)
+        self._load_task(state)
+        self.completed_epochs = self.epoch = state["epoch"]
+        self.global_step = self.first_global_step = state.get("global_step", 0)
 
 
 def resume_rows(saved: torch.Tensor, rank: int, world_size: int, mean: bool = False) -> torch.Tensor:
