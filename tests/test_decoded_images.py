@@ -301,3 +301,28 @@ def test_a_jpeg_folder_run_preempted_on_2_ranks_and_resumed_on_1_ends_as_the_uni
     got = checkpoint.load(tmp_path / "runs" / "moved" / "last.pt")["model"]
     for name, value in expected.items():
         assert ((got[name] - value).norm() / value.norm()).item() <= 1e-4, name
+
+
+def test_the_input_line_says_the_cpu_time_per_image_and_the_cores_a_gpu_needs_leaving_every_random_state(tmp_path):
+    """The run's input line (a training folder): this machine's CPU time per image, measured on a few samples at
+    start, and the cores one GPU at 3,000 images/s needs at that rate, which is that rate times the time (written here
+    from the two printed numbers); timing the samples leaves torch's, Python's and numpy's random states as they were
+    (the run stays bit-identical). Broken on purpose: the cores a thousandth of that (a unit slip) fails it."""
+    import random
+    import re
+
+    from ddp_tricks.data.decoded import DecodedImages
+
+    write_folder(tmp_path / "train")
+    images = DecodedImages(str(tmp_path / "train"), 16, train=True)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    line = images.describe()
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert (np.random.get_state()[1] == before[2]).all()
+    found = re.search(
+        r"; ([\d.]+) ms of CPU per image here: one GPU at 3,000 images/s needs about ([\d.]+) cores$", line
+    )
+    assert found, line
+    ms, cores = float(found[1]), float(found[2])
+    assert ms > 0 and cores == pytest.approx(3000 * ms / 1e3, abs=0.05 + 3000 * 0.05 / 1e3)  # both printed rounded
+    assert "ms of CPU" not in DecodedImages(str(tmp_path / "train"), 16, train=False).describe()  # validation: none

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import math
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ MEAN = (0.485, 0.456, 0.406)  # ImageNet's, as torchvision's reference scripts n
 STD = (0.229, 0.224, 0.225)
 SCALE = (0.08, 1.0)  # RandomResizedCrop's defaults
 RATIO = (3 / 4, 4 / 3)
+GPU_IMAGES_PER_SECOND = 3000  # about what one A100 trains ResNet-50 at (FFCV's and DALI's figures): what to feed
+TIMED = 8  # training samples timed at start for the run's input line (after one to warm up)
 # a reduced decode where the crop is at least this many times the output on both sides, in an image of at least
 # DRAFT_PIXELS: at ImageNet's sizes (about 500 x 375) PIL's reduced decode is no faster than decode_jpeg's whole one
 DRAFT_FROM = 2.0
@@ -153,8 +156,10 @@ class DecodedImages(Dataset):
     backend = "data backend torchvision: decode_jpeg (PIL for the rest) in the loader's workers"
 
     def describe(self) -> str:
-        """The input pipeline in a line, for the run's log."""
-        return f"image folder of {len(self)} images at {self.size} px, {self.backend}, uint8, normalised on the device"
+        """The input pipeline in a line, for the run's log: with training samples, this machine's CPU time per sample
+        and the cores one GPU needs at that rate."""
+        line = f"image folder of {len(self)} images at {self.size} px, {self.backend}, uint8, normalised on the device"
+        return line + (f"; {cores_per_gpu(self)}" if self.train and len(self) > 1 else "")
 
     def finish(self, images: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
         """A uint8 batch of this dataset's images as the model's float32 input on `device` (the copy non-blocking:
@@ -192,3 +197,24 @@ class DecodedImages(Dataset):
         pixels, box = read_image(path, choose, (self.size, self.size), self.draft)
         image = F.resized_crop(pixels, *box, [self.size, self.size], antialias=True)
         return (F.horizontal_flip(image) if decided["flip"] else image), label
+
+
+def seconds_per_sample(dataset, count: int = TIMED) -> float:
+    """The CPU time (every thread of this process: the cores a loader worker keeps busy) per sample of `dataset`, on
+    its samples 1 to `count` (sample 0 first, untimed: the first call's one-off costs)."""
+    dataset[0]
+    timed = range(1, min(count, len(dataset) - 1) + 1)
+    start = time.process_time()
+    for index in timed:
+        dataset[index]
+    return (time.process_time() - start) / len(timed)
+
+
+def cores_per_gpu(dataset, images_per_second: float = GPU_IMAGES_PER_SECOND) -> str:
+    """How many of this machine's cores one GPU training at `images_per_second` needs to be fed, from the measured
+    CPU time per sample (a few samples at start: a first estimate; bench/input_pipeline.py measures it properly)."""
+    seconds = seconds_per_sample(dataset)
+    return (
+        f"{seconds * 1e3:.1f} ms of CPU per image here: one GPU at {images_per_second:,.0f} images/s needs about "
+        f"{images_per_second * seconds:.1f} cores"
+    )
