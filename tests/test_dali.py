@@ -125,8 +125,9 @@ def test_dali_follows_the_template_s_sampler_on_2_ranks_and_resumes_mid_epoch(tm
 def test_a_dali_run_preempted_on_2_ranks_and_resumed_on_1_ends_as_the_uninterrupted_run(tmp_path, monkeypatch):
     """run.py with --data-backend dali (DALI's CPU pipeline), --workers 2 on 2 ranks, preempted mid-epoch, resumed on
     1 process: the final weights are the uninterrupted 2-rank run's within 1e-4 (relative), the resumed run took only
-    the steps its checkpoint lacked. Broken on purpose: DALI's outputs in reverse order of the batch fails it (the
-    resumed process's micro-batches pair other images with the labels)."""
+    the steps its checkpoint lacked. Broken on purpose: DALI drawing the training crops itself
+    (decoders.image_random_crop, as DALI's examples do, its generator the pipeline's) fails it (the weights differ by
+    100 %): the crop must be the sample's, from (seed, epoch, index)."""
     from multiproc import launch
     from resumed import assert_resumed, final_step
 

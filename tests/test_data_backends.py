@@ -68,7 +68,7 @@ def _one_line(argv, message, capsys) -> None:
 def test_a_backend_without_its_gpu_or_package_is_one_line(tmp_path, capsys):
     """Without a GPU: gpu-decode says so; without NVIDIA DALI (where it is not installed): dali says so, with the
     extra that installs it (both exit 2, before any process group). Broken on purpose: gpu-decode without the CUDA
-    check fails it (the run goes on); so does dali without its package check (an ImportError's traceback)."""
+    check fails it (the run goes on); so does dali's line without the command that installs it."""
     write_folder(tmp_path / "t")
     write_folder(tmp_path / "v")
     folders = ["--dataset", "imagefolder", "--train-dir", str(tmp_path / "t"), "--val-dir", str(tmp_path / "v")]
