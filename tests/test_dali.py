@@ -86,6 +86,27 @@ def test_the_validation_geometry_is_torchvision_s_resize_and_centre_crop():
 
 
 @needs_dali
+@pytest.mark.timeout(60)
+def test_a_jpeg_dali_cannot_decode_is_one_line(tmp_path):
+    """A JPEG whose header reads but whose data is cut: DALI's decode error is one line saying how to find the file.
+    Broken on purpose: letting DALI's RuntimeError through (its operator's traceback) fails it."""
+    from ddp_tricks.errors import UserError
+
+    root = write_folder(tmp_path / "train")
+    cut = root / "cat" / "0.jpg"
+    cut.write_bytes(cut.read_bytes()[:200] + bytes(50))
+    dataset = DaliImages(str(root), SIZE, train=True)
+    error = None
+    try:
+        dataset.finish(dataset.collate([dataset[i] for i in range(4)])[0], CPU)
+    except Exception as raised:  # which kind it is, is what the test asserts
+        error = raised
+    assert isinstance(error, UserError), repr(error)[:300]
+    assert "NVIDIA DALI cannot decode a batch" in str(error) and "\n" not in str(error)
+    assert "--data-backend torchvision names the file" in str(error)
+
+
+@needs_dali
 @pytest.mark.timeout(180)
 def test_dali_follows_the_template_s_sampler_on_2_ranks_and_resumes_mid_epoch(tmp_path):
     """Through the training loader (its PlanSampler, 2 workers) and the Feed, each rank's DALI batches are the

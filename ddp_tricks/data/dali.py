@@ -111,20 +111,22 @@ class DaliImages(EncodedImages):
         pipeline.feed_input("corner", [np.array(box[:2], dtype=np.float32) for box in boxes])
         pipeline.feed_input("extent", [np.array(box[2:], dtype=np.float32) for box in boxes])
         pipeline.feed_input("flip", [np.array(int(flip), dtype=np.int32) for flip in flips])
+        # on a GPU the outputs are bound to the current stream (the Feed's side stream): no wait on the host
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         try:
-            (images,) = pipeline.run()
+            (images,) = pipeline.run(stream)
         except RuntimeError as error:  # a file DALI cannot decode; its pipeline is no longer usable
             self._pipelines.clear()
             raise UserError(
                 f"NVIDIA DALI cannot decode a batch ({_cause(error)}): --data-backend torchvision names the file"
             ) from None
-        out = torch.empty((len(encoded), self.size, self.size, 3), dtype=torch.float32, device=device)
         if device.type == "cuda":
             from nvidia.dali.plugin.pytorch import feed_ndarray
 
-            feed_ndarray(images.as_tensor(), out, cuda_stream=torch.cuda.current_stream(device))
+            out = torch.empty((len(encoded), self.size, self.size, 3), dtype=torch.float32, device=device)
+            feed_ndarray(images.as_tensor(), out, cuda_stream=stream)
         else:
-            out.copy_(torch.from_numpy(images.as_array()))
+            out = torch.from_numpy(images.as_array())  # a copy DALI no longer owns
         images = out.permute(0, 3, 1, 2)  # (N, H, W, 3) memory: channels-last already
         return images if channels_last else images.contiguous()
 
@@ -148,7 +150,9 @@ def build_pipeline(train: bool, size: int, on_gpu: bool, batch_size: int, thread
     threads = max(1, min(threads, os.cpu_count() or 1))
 
     # one batch at a time: the Feed asks for the next batch only when it has fed it (its side stream runs ahead)
-    @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, prefetch_queue_depth=1)
+    @pipeline_def(
+        batch_size=batch_size, num_threads=threads, device_id=device_id, prefetch_queue_depth=1, exec_dynamic=True
+    )
     def pipeline():
         encoded = fn.external_source(name="encoded", dtype=types.UINT8)
         corner = fn.external_source(name="corner", dtype=types.FLOAT)
