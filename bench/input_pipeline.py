@@ -1,7 +1,9 @@
 """ImageNet input on the CPU (#50): CPU time per training image at 224 px, and images/s per core, of torchvision's
 reference pipeline (PIL decode, RandomResizedCrop, flip, ToTensor, Normalize; float32 batches) against the
 template's uint8 path (data.decoded: decode_jpeg, crop and flip on uint8, batches collated channels-last, the
-normalisation left to the device), with and without PIL's reduced decode (`draft()`).
+normalisation left to the device), with and without PIL's reduced decode (`draft()`), and, where NVIDIA DALI is
+importable, `--data-backend dali` on the CPU (data.dali: the file's bytes and crop box read as the template's path
+reads them, DALI's CPU pipeline at one thread decoding, cropping, resizing, flipping and normalising to float32).
 
 On generated JPEGs at quality 90: `--images` of ImageNet's typical sizes (about 500 x 375, either orientation) and
 `--large` of about 1200 x 900. One process, one thread; each round fetches every image of a set through each path
@@ -91,11 +93,26 @@ def paths_of(root: Path) -> dict:
     reference = Reference(root)
     plain = DecodedImages(str(root), SIZE, train=True, draft=False)
     drafted = DecodedImages(str(root), SIZE, train=True, draft=True)
-    return {
+    paths = {
         "reference": (reference.dataset, reference.collate),
         "uint8": (plain, plain.collate),
         "uint8+draft": (drafted, drafted.collate),
     }
+    dali = dali_path(root)
+    return paths if dali is None else {**paths, "dali (CPU)": dali}
+
+
+def dali_path(root: Path):
+    """DALI's CPU pipeline at one thread as (dataset, collate): the collate runs the batch through the pipeline (the
+    training loop's Feed does it on the device); None where DALI is not importable."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return None
+    from ddp_tricks.data.dali import DaliImages
+
+    dataset = DaliImages(str(root), SIZE, train=True, threads=1)
+    return dataset, lambda samples: dataset.finish(dataset.collate(samples)[0], torch.device("cpu"))
 
 
 def measure(root: Path, rounds: int) -> dict:

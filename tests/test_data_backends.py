@@ -14,6 +14,12 @@ from ddp_tricks.data.decoded import DecodedImages
 from ddp_tricks.data.gpu_decode import EncodedImages
 
 NO_CUDA = not torch.cuda.is_available()
+try:
+    import nvidia.dali  # noqa: F401
+
+    NO_DALI = False
+except ImportError:
+    NO_DALI = True
 
 
 def batches(kind, root, train: bool, device: torch.device, indices=(0, 5, 2, 7, 3)) -> torch.Tensor:
@@ -60,14 +66,16 @@ def _one_line(argv, message, capsys) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is visible")
 def test_a_backend_without_its_gpu_or_package_is_one_line(tmp_path, capsys):
-    """Without a GPU: gpu-decode says so; without NVIDIA DALI: dali says so (both exit 2, before any process group).
-    Broken on purpose: gpu-decode without the CUDA check fails it (the run goes on)."""
+    """Without a GPU: gpu-decode says so; without NVIDIA DALI (where it is not installed): dali says so, with the
+    extra that installs it (both exit 2, before any process group). Broken on purpose: gpu-decode without the CUDA
+    check fails it (the run goes on); so does dali's line without the command that installs it."""
     write_folder(tmp_path / "t")
     write_folder(tmp_path / "v")
     folders = ["--dataset", "imagefolder", "--train-dir", str(tmp_path / "t"), "--val-dir", str(tmp_path / "v")]
     flags = [*folders, "--image-size", "16", "--epochs", "1", "--runs-dir", str(tmp_path / "runs")]
     _one_line([*flags, "--data-backend", "gpu-decode"], "no CUDA device is visible", capsys)
-    _one_line([*flags, "--data-backend", "dali"], "needs NVIDIA DALI, which is not installed", capsys)
+    if NO_DALI:  # tests/test_dali.py runs the backend where it is installed
+        _one_line([*flags, "--data-backend", "dali"], "needs NVIDIA DALI, which is not installed: pip install", capsys)
     _one_line(["--data-backend", "gpu-decode"], "applies to --dataset imagefolder only", capsys)
     assert not (tmp_path / "runs").exists()
 
@@ -90,11 +98,14 @@ def test_gpu_decode_on_the_gpu_is_close_to_the_workers_decode(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(NO_CUDA, reason="no CUDA device visible")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["torchvision", "gpu-decode"])
+@pytest.mark.parametrize("backend", ["torchvision", "gpu-decode", "dali"])
 def test_a_run_on_a_gpu_trains_and_evaluates(tmp_path, backend):
-    """run.py on one GPU with each backend (the Feed's side stream; gpu-decode decodes each batch on the device), with
-    --channels-last: the run ends."""
+    """run.py on one GPU with each backend (the Feed's side stream; gpu-decode decodes each batch on the device, dali
+    runs DALI's mixed pipeline: nvJPEG, GPU operators), with --channels-last: the run ends."""
     from multiproc import launch
+
+    if backend == "dali" and NO_DALI:
+        pytest.skip("NVIDIA DALI is not installed (pip install -e '.[dali]')")
 
     write_folder(tmp_path / "t", per_class=8)
     write_folder(tmp_path / "v", seed=1)

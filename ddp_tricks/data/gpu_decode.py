@@ -71,23 +71,7 @@ class EncodedImages(DecodedImages):
 
 
 def check_backend(backend: str) -> None:
-    """A backend this machine cannot run is one line, before any process group. DALI's pipeline is not built in
-    this version: with the package and a GPU, that is said too."""
-    if backend == "dali":
-        import importlib.util
-
-        if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
-            raise UserError(
-                "--data-backend dali needs NVIDIA DALI, which is not installed: pip install nvidia-dali-cuda120 (or "
-                "-cuda130, matching your CUDA; PyPI's plain nvidia-dali is a placeholder), or use --data-backend "
-                "gpu-decode"
-            )
-        if not torch.cuda.is_available():
-            raise UserError("--data-backend dali decodes on the GPU and no CUDA device is visible: run on a GPU")
-        raise UserError(
-            "--data-backend dali: the template's DALI pipeline is not built yet (issue #50); use --data-backend "
-            "gpu-decode, which decodes on the GPU with torchvision"
-        )
+    """gpu-decode without CUDA is one line, before any process group (data.dali.check says dali's)."""
     if backend == "gpu-decode" and not torch.cuda.is_available():
         raise UserError(
             "--data-backend gpu-decode decodes JPEGs on the GPU (torchvision's decode_jpeg on CUDA) and no CUDA "

@@ -131,12 +131,18 @@ def image_folders(
     """ImageNet-style folders (one sub-folder per class) read as uint8 (data.decoded): the usual
     random-resized-crop training, each sample's augmentation a function of (seed, epoch, index); the
     normalisation happens on the device. `backend`: torchvision (decoded by the CPU workers), gpu-decode (decoded
-    on the GPU, data.gpu_decode), dali (refused here with the reason)."""
+    on the GPU, data.gpu_decode), dali (NVIDIA DALI decodes and augments the batch, data.dali)."""
     from ddp_tricks.data import gpu_decode
     from ddp_tricks.data.decoded import DecodedImages
 
-    gpu_decode.check_backend(backend)
-    kind = gpu_decode.EncodedImages if backend == "gpu-decode" else DecodedImages
+    if backend == "dali":
+        from ddp_tricks.data import dali
+
+        dali.check()  # NVIDIA DALI importable (its CPU operators run without a GPU), else one line
+        kind = dali.DaliImages
+    else:
+        gpu_decode.check_backend(backend)
+        kind = gpu_decode.EncodedImages if backend == "gpu-decode" else DecodedImages
 
     for flag, path in (("--train-dir", train_dir), ("--val-dir", val_dir)):
         if not Path(path).is_dir():
