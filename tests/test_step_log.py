@@ -15,6 +15,7 @@ import pytest
 import torch
 from multiproc import REPO, launch, preempted, python_run
 from resumed import assert_resumed
+from step_rows import rows_of, rows_through
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_tricks import models
@@ -23,11 +24,6 @@ from ddp_tricks.training import flops
 
 ARGS = ["-e", "2", "-b", "16", "--log-interval", "5", "--no-progress"]
 STEPS_PER_EPOCH = 45  # the digits' 1437 training samples at a global batch of 32 (2 ranks x 16)
-
-
-def rows_of(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +134,7 @@ def test_sigterm_mid_run_and_resume_auto_leave_each_step_s_row_once(tmp_path):
     of the checkpoint fails it (the samples seen start again from 0)."""
     folder = tmp_path / "run"
     args = [*ARGS, "--runs-dir", str(tmp_path), "-n", "run"]
-    out, err = preempted(args, folder / "last.pt", ready=lambda: _rows_through(folder, 60))
+    out, err = preempted(args, folder / "last.pt", ready=lambda: rows_through(folder, 60))
     assert (folder / "last.pt").exists(), err[-3000:]
     saved = tmp_path / "saved.pt"
     shutil.copy(folder / "last.pt", saved)
@@ -153,14 +149,6 @@ def test_sigterm_mid_run_and_resume_auto_leave_each_step_s_row_once(tmp_path):
     samples = {int(r["step"]): int(r["samples"]) for r in rows}
     per_epoch = samples[STEPS_PER_EPOCH]
     assert samples[90] == 2 * per_epoch and samples[60] == per_epoch + 15 * 32
-
-
-def _rows_through(folder: Path, step: int) -> bool:
-    try:
-        rows = rows_of(folder / "steps.csv")
-    except (FileNotFoundError, ValueError):
-        return False
-    return bool(rows) and int(rows[-1]["step"]) >= step
 
 
 @pytest.mark.timeout(120)

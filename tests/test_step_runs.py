@@ -2,7 +2,6 @@
 by SIGTERM and resumed ends where an uninterrupted one does, with the same weights and each step's row once.
 """
 
-import csv
 import math
 import shutil
 
@@ -10,13 +9,9 @@ import pytest
 import torch
 from multiproc import launch, preempted, python_run
 from resumed import assert_resumed, final_step, saved_state
+from step_rows import rows_of, rows_through
 
 MAX_STEPS = ["-b", "16", "--log-interval", "5", "--no-progress", "--max-steps", "30"]
-
-
-def rows_of(path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.slow
@@ -49,7 +44,7 @@ def test_max_steps_stopped_and_resumed_ends_as_one_run(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     folder = tmp_path / "cut"
     cut = [*args, "--runs-dir", str(tmp_path), "-n", "cut"]
-    preempted(cut, folder / "last.pt", ready=lambda: _rows_through(folder, 20))
+    preempted(cut, folder / "last.pt", ready=lambda: rows_through(folder, 20))
     shutil.copy(folder / "last.pt", tmp_path / "saved.pt")
     resumed = launch([*cut, "--resume", "auto"], nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -60,14 +55,6 @@ def test_max_steps_stopped_and_resumed_ends_as_one_run(tmp_path):
     steps = [int(r["step"]) for r in rows_of(folder / "steps.csv")]
     assert steps == [int(r["step"]) for r in rows_of(tmp_path / "whole" / "steps.csv")]
     assert steps == [1, *range(5, 51, 5)]
-
-
-def _rows_through(folder, step: int) -> bool:
-    try:
-        rows = rows_of(folder / "steps.csv")
-    except (FileNotFoundError, ValueError):
-        return False
-    return bool(rows) and int(rows[-1]["step"]) >= step
 
 
 @pytest.mark.timeout(120)
@@ -126,7 +113,7 @@ def test_eval_every_steps_stopped_and_resumed_writes_the_same_rows_once(evaluate
     (`run_folder.kept` without its mid-epoch case) fails it (step 15's row is gone)."""
     folder = tmp_path / "cut"
     args = [*EVAL_EVERY, "--eval-every-steps", "15", "--runs-dir", str(tmp_path), "-n", "cut"]
-    preempted(args, folder / "last.pt", ready=lambda: _rows_through(folder, 20))
+    preempted(args, folder / "last.pt", ready=lambda: rows_through(folder, 20))
     shutil.copy(folder / "last.pt", tmp_path / "saved.pt")
     resumed = launch([*args, "--resume", "auto"], nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
