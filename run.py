@@ -35,9 +35,9 @@ from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
 from ddp_tricks.errors import UserError
 from ddp_tricks.optim import build as optimizers
 from ddp_tricks.schedules import decay_kind, schedule
-from ddp_tricks.storage import checkpoint, run_folder, step_log
+from ddp_tricks.storage import checkpoint, run_folder
 from ddp_tricks.traces import batch_trace
-from ddp_tricks.training import auto_batch, loop, preflight, step_evaluations
+from ddp_tricks.training import auto_batch, loop, preflight, step_evaluations, step_log
 from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Best, NonFiniteLoss, Training

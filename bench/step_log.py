@@ -1,4 +1,4 @@
-"""What per-step rows cost: run.py's loop (train_one_epoch) with a row every 10 steps (storage/step_log.py: the row's
+"""What per-step rows cost: run.py's loop (train_one_epoch) with a row every 10 steps (training/step_log.py: the row's
 all-gather and host read, its non-finite check) against --log-interval 0 (no row, no read), measured interleaved in
 one run after warm-up, in one process and in two (DDP on gloo). The last line is one JSON object.
 
@@ -25,10 +25,10 @@ from ddp_tricks.data import images as image_data
 from ddp_tricks.data import loaders
 from ddp_tricks.schedules.curves import WarmupDecay
 from ddp_tricks.schedules.schedule import Schedule
-from ddp_tricks.storage.step_log import StepLog
 from ddp_tricks.training.loop import start_epoch, train_one_epoch
 from ddp_tricks.training.precision import Precision
 from ddp_tricks.training.state import Training
+from ddp_tricks.training.step_log import StepLog
 
 CPU = torch.device("cpu")
 

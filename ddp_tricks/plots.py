@@ -57,7 +57,7 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
     panels = len(names) + 1 + measured + bool(steps)
     fig = _figure(figsize=(4.6 * panels, 4))
     axes = list(fig.subplots(1, panels))
-    if steps:  # the per-step rows (storage/step_log.py): the window's loss and throughput at each logged step
+    if steps:  # the per-step rows (training/step_log.py): the window's loss and throughput at each logged step
         per_step(axes.pop(), steps)
     for ax, name in zip(axes, names):
         for split, label in (("train", "train"), ("val", "validation"), ("val_ema", "validation, EMA weights")):

@@ -17,8 +17,8 @@ from ddp_tricks.data import images as image_data
 from ddp_tricks.distributed import trace_reduction
 from ddp_tricks.schedules.curves import WarmupDecay
 from ddp_tricks.schedules.schedule import Schedule
-from ddp_tricks.storage.step_log import StepLog
 from ddp_tricks.training.loop import train_one_epoch
+from ddp_tricks.training.step_log import StepLog
 from lamb import LAMB
 from lars import LARS, LARSWrapper
 from lookahead import Lookahead
@@ -128,7 +128,7 @@ def test_a_plain_step_makes_no_host_sync(amp):
 
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
 def test_a_whole_log_interval_window_makes_no_host_sync_but_at_its_rows(amp):
-    """Two windows of --log-interval 5 with the run's step log (storage/step_log.py), its non-finite check included:
+    """Two windows of --log-interval 5 with the run's step log (training/step_log.py), its non-finite check included:
     only steps 5 and 10 (rows) read the device; the others none (fp16: GradScaler's own read). Broken on purpose: the
     loop's `if due:` before the check and the row as `if True:` fails it."""
     scaler = ["item"] if amp == "fp16" else []

@@ -1,4 +1,4 @@
-"""Per-step rows (storage/step_log.py): steps.csv and TensorBoard every --log-interval steps on 2 ranks, their
+"""Per-step rows (training/step_log.py): steps.csv and TensorBoard every --log-interval steps on 2 ranks, their
 windows adding up to the epoch's metrics, FLOPs per sample as FlopCounterMode counts a plain forward and backward,
 a resumed run's rows each written once, and the flags' mistakes as one line.
 """

@@ -78,7 +78,7 @@ def check_step_flags(cfg: argparse.Namespace, given: set[str] | frozenset[str] =
 
 
 def step_log_options(cfg: argparse.Namespace) -> dict:
-    """storage.step_log.StepLog's settings from the flags."""
+    """training.step_log.StepLog's settings from the flags."""
     return {"interval": cfg.log_interval, "amp": cfg.amp, "peak_tflops": cfg.peak_tflops}
 
 

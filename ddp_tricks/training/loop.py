@@ -147,7 +147,7 @@ def train_one_epoch(
     `t.resume_sums` (this rank's running [loss x units, *metric sums, units, samples] when its checkpoint was
     written).
     `after_step(t)` runs after every optimizer step (`t.step_in_epoch` steps done, `t.epoch_sums` the running
-    sums); when it returns True the epoch stops there and None is returned. `log` (storage/step_log.py's StepLog,
+    sums); when it returns True the epoch stops there and None is returned. `log` (training/step_log.py's StepLog,
     or None: no rows) writes a row at the steps it says are due, the only steps that read the device (the loss's
     non-finite check too; without a log, every CHECK_EVERY steps).
     """

@@ -33,7 +33,7 @@ class StepEvaluations:
         self.val_loader = val_loader
         self.folder = folder  # storage.run_folder.RunFolder
         self.checkpoints = checkpoints  # storage.checkpoint.Checkpoints
-        self.rows = rows  # storage.step_log.StepLog: its epoch's last step, and its window without the evaluation
+        self.rows = rows  # training.step_log.StepLog: its epoch's last step, and its window without the evaluation
 
     def __call__(self, t: Training) -> bool:
         if self.every and t.global_step % self.every == 0 and t.global_step != self.rows.end_step:
