@@ -110,7 +110,7 @@ def peak_tflops(device: torch.device, amp: str, given: float = 0.0) -> tuple[flo
     if given > 0:
         return given, f"peak {given:g} TFLOP/s (--peak-tflops)"
     if device.type != "cuda":
-        return 0.0, f"no MFU on {device.type} (give --peak-tflops to measure against a peak)"
+        return 0.0, f"no MFU on {device.type}: give --peak-tflops to measure against a peak"
     name, dtype = torch.cuda.get_device_name(device), training_dtype(amp)
     known = [key for key in PEAK_TFLOPS if key in name]
     if not known:

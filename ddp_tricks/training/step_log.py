@@ -95,7 +95,7 @@ class StepLog:
         if self.interval <= 0:
             return
         shown = f"{self.peak_note}" if self.flops_per_sample else "FLOPs not counted: no MFU"
-        log.info("a row every %d steps in %s (%s)", self.interval, folder / "steps.csv", shown)
+        log.info("a row every %d steps in %s; %s", self.interval, folder / "steps.csv", shown)
         self.sinks = [
             step_sinks.CsvRows(folder / "steps.csv", columns(self.metric_names, self.group_names), through_step)
         ]
