@@ -245,7 +245,8 @@ def _elapsed(args, stamps, timeout=120, stop_others=False):
 def test_a_branch_some_batches_skip_ends_the_run_in_one_line_within_seconds_and_trains_with_the_flag(tmp_path):
     """Without --find-unused-parameters, with the default --dist-timeout (600 s): the first step where a rank skips
     the auxiliary head ends the job (a step in the first few: about 4 in 10 batches of 8 skip it), exit 2 on every
-    rank."""
+    rank, also where that step writes a row (its all-gather would pair with the other rank's pending bucket
+    all-reduce). Broken on purpose: no wrap.check_every_gradient at a row's step: the job hangs (the 120 s wait)."""
     args = ["--task", "tests/rank_tasks.py:SometimesAux", "-b", "8", "-e", "1", "--no-progress",
             "--runs-dir", str(tmp_path)]  # fmt: skip
     job, err, seconds = _elapsed([*args, "-n", "without"], tmp_path / "steps")

@@ -113,21 +113,11 @@ def test_every_rank_stops_at_the_same_step_with_the_agreement_timed_by_rank_0(tm
     rank's own `every`, rank 0's timed one and 1 on the others) fails it: the ranks' agreements no longer pair up
     and the job ends as hung (exit 4), not preempted."""
     run_dir = tmp_path / "k"
-    flags = [
-        *FLAGS,
-        "--epochs",
-        "1",
-        "-n",
-        "k",
-        "--runs-dir",
-        str(tmp_path),
-        "--task",
-        "tests/rank_tasks.py:StepsPerRank",
-    ]
+    task = ["--task", "tests/rank_tasks.py:StepsPerRank", "--checkpoint-every-steps", "20"]
+    flags = [*FLAGS, "--epochs", "3", "-n", "k", "--runs-dir", str(tmp_path), *task]
     flags += ["--hang-timeout", "10", "--hang-factor", "3", "--heartbeat-timeout", "10"]
     with Job(flags, env={**os.environ, "STEPS_DIR": str(tmp_path)}) as job:
-        _wait_for(lambda: (run_dir / "workers.json").exists())
-        time.sleep(1.0)  # some steps in: rank 0 has timed them
+        _wait_for(lambda: (run_dir / "last.pt").exists())  # step 20 or later, of 540: rank 0 has timed its steps
         os.kill(_pids(run_dir)[1], signal.SIGTERM)
         out, err = job.communicate(timeout=120)
     assert job.exitcodes == [143, 143], (job.exitcodes, err[-3000:])

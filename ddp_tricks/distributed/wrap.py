@@ -101,13 +101,36 @@ def name_unused_parameters(error: RuntimeError, model: torch.nn.Module) -> None:
     found = re.search(r"did not receive grad for rank (\d+): ([\d ,]+)", text)
     names = reducer_names(ddp.module)
     unused = [names[int(i)] for i in re.findall(r"\d+", found.group(2)) if int(i) < len(names)] if found else []
+    raise _unused(unused) from None
+
+
+def check_every_gradient(model: torch.nn.Module) -> None:
+    """After a step's backward, before any collective of the template's own (a step's row, the non-finite check):
+    under DDP without --find-unused-parameters, a parameter that got no gradient on this rank (its gradients were set
+    to None at the last step) is the one line `name_unused_parameters` gives, raised here, on this rank alone. Else
+    DDP's reducer on the other ranks still waits in their backward for this rank's bucket, this rank's collective is
+    paired with that all-reduce, and the job hangs; DDP itself says so only at the next forward. A host read of
+    attributes, no sync: called at logging steps only."""
+    ddp = getattr(model, "_orig_mod", model)
+    if not hasattr(ddp, "module") or ddp.find_unused_parameters or ddp.static_graph:
+        return
+    unused = [
+        name
+        for name, p in ddp.module.named_parameters()
+        if p.requires_grad and p.grad is None and not getattr(p, "_ddp_ignored", False)
+    ]
+    if unused:
+        raise _unused(unused)
+
+
+def _unused(unused: list[str]) -> UserError:
     shown = ", ".join(repr(n) for n in unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
-    raise UserError(
+    return UserError(
         f"parameters {shown or 'of the model'} got no gradient in a training step, and DDP without "
         "--find-unused-parameters waits for every parameter's gradient: pass --find-unused-parameters (a branch "
         "that some batches skip), or freeze the parameters that never train (requires_grad=False)",
         rank_specific=True,
-    ) from None
+    )
 
 
 def reducer_names(module: torch.nn.Module) -> list[str]:

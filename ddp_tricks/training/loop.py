@@ -28,7 +28,7 @@ from ddp_tricks.distributed.collectives import (
     uneven_rows,
 )
 from ddp_tricks.distributed.fsdp import reduce_replicated
-from ddp_tricks.distributed.wrap import accumulating, name_unused_parameters
+from ddp_tricks.distributed.wrap import accumulating, check_every_gradient, name_unused_parameters
 from ddp_tricks.plan import Step
 from ddp_tricks.training import noise, precise_bn
 from ddp_tricks.training.batches import detached, float_outputs, to_device
@@ -209,6 +209,8 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step, log, after_
         if t.adascale is not None:
             factor *= gain
         due = log.due(t.global_step + 1) if log is not None else done % CHECK_EVERY == 0
+        if due:  # before this step's collectives: a rank whose backward left a DDP bucket unreduced says so alone
+            check_every_gradient(t.model)
         if due and log is not None:
             log.measure(t, params)  # the gradient norm, before the step zeroes it
         if skip_nonfinite and any_rank(step_nonfinite, t.device):  # the step's one host sync
