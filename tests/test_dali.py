@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_data_backends import batches
-from test_decoded_images import ELASTIC, SIZE, write_folder
+from test_decoded_images import SIZE, preempted_on_2_and_resumed_on_1, write_folder
 
 from ddp_tricks import plan
 from ddp_tricks.data import loaders
@@ -149,31 +149,7 @@ def test_a_dali_run_preempted_on_2_ranks_and_resumed_on_1_ends_as_the_uninterrup
     the steps its checkpoint lacked. Broken on purpose: DALI drawing the training crops itself
     (decoders.image_random_crop, as DALI's examples do, its generator the pipeline's) fails it (the weights differ by
     100 %): the crop must be the sample's, from (seed, epoch, index)."""
-    from multiproc import launch
-    from resumed import assert_resumed, final_step
-
-    from ddp_tricks.storage import checkpoint
-
-    write_folder(tmp_path / "train", per_class=24)
-    write_folder(tmp_path / "val", seed=1)
-    flags = [*ELASTIC, "--data-backend", "dali", "--train-dir", str(tmp_path / "train"), "--val-dir",
-             str(tmp_path / "val"), "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
-    whole = launch([*flags, "-n", "whole"], nproc=2)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "data backend dali" in whole.stdout + whole.stderr
-    monkeypatch.setenv("PREEMPT_AFTER", "2")
-    stopped = launch([*flags, "-n", "moved"], nproc=2)
-    monkeypatch.delenv("PREEMPT_AFTER")
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    saved = checkpoint.load(tmp_path / "runs" / "moved" / "last.pt")
-    assert 0 < saved["step_in_epoch"] < 6
-    end = launch([*flags, "-n", "moved", "--resume", "auto"], nproc=1)
-    assert end.returncode == 0, end.stderr[-3000:]
-    assert_resumed(end.stdout, saved, final_step(tmp_path / "runs" / "whole"))
-    expected = checkpoint.load(tmp_path / "runs" / "whole" / "last.pt")["model"]
-    got = checkpoint.load(tmp_path / "runs" / "moved" / "last.pt")["model"]
-    for name, value in expected.items():
-        assert ((got[name] - value).norm() / value.norm()).item() <= 1e-4, name
+    assert "data backend dali" in preempted_on_2_and_resumed_on_1(tmp_path, monkeypatch, "dali")
 
 
 @needs_dali
