@@ -28,7 +28,7 @@ from customized_function import DETERMINISTIC_NOTE, EarlyStopping, same_seeds, u
 from ddp_tricks import failures, models, plots
 from ddp_tricks import plan as planning
 from ddp_tricks.data import loaders
-from ddp_tricks.distributed import collectives, heartbeat, launch, placement, watchdog, wrap
+from ddp_tricks.distributed import collectives, heartbeat, launch, meta_init, placement, watchdog, wrap
 from ddp_tricks.distributed.preemption import Preemption
 from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
@@ -71,14 +71,15 @@ def run(flags, task, process: launch.Launch) -> int:
     same_seeds(flags.seed)  # the same data split and initial weights on every rank and at every world size
     train_set, val_set = task.datasets()
     loaders.check_sizes(len(train_set), len(val_set), process.world_size)
-    model = task.model()
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy, evaluation=flags.eval_only) if resume_from else None
+    model, recipe, made = placement.make(task, flags.strategy, flags.meta_init, state)  # FSDP: on the meta device
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     setup = preflight.Setup(process.world_size, nccl=nccl, **cli.check_options(flags))
-    plan, found = preflight.check(  # one record of what the checks found: what comes after takes it
-        task, model, train_set, setup, lambda equal: make_plan(flags, len(train_set), process.world_size, state, equal)
-    )
+    with meta_init.checkable(model, recipe):  # a meta-device model checked as a stand-in of zeros
+        plan, found = preflight.check(  # one record of what the checks found: what comes after takes it
+            task, model, train_set, setup, lambda e: make_plan(flags, len(train_set), process.world_size, state, e)
+        )
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
     trains = not (flags.eval_only or flags.plot_lr)
@@ -89,7 +90,7 @@ def run(flags, task, process: launch.Launch) -> int:
     dist = launch.setup(
         process, flags.device, flags.backend, flags.dist_timeout, flags.strategy == "fsdp", flags.sigterm_grace
     )
-    t = build_training(flags, task, model, found, plan, dist)
+    t = build_training(flags, task, model, found, plan, dist, recipe)
     t.parts["step_log"] = rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # a checkpoint part
     if state is not None:
         t.load_state_dict(state, str(resume_from))
@@ -114,7 +115,7 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if state is not None and trains:
         log.info(t.describe_resume(resume_from))
-    for note in ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale):
+    for note in made + ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale):
         log.info(note)
     if flags.deterministic:
         log.info(DETERMINISTIC_NOTE)
@@ -200,12 +201,12 @@ def make_plan(flags, num_train: int, world_size: int, state: dict | None = None,
     )
 
 
-def build_training(flags, task, model, found: preflight.Findings, plan: planning.Plan, dist: launch.Dist) -> Training:
+def build_training(flags, task, model, found: preflight.Findings, plan: planning.Plan, dist, recipe=None) -> Training:
     """The model on its device, sharded (FSDP) or wrapped (DDP; a traced or unevenly shared run reduces its gradients
     itself), the optimizer, the schedule, precision, the noise scale's estimator, best and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
-    model = placement.build(model, found.units, dist.device, DTYPES[flags.amp], **cli.model_options(flags))
+    model = placement.build(model, found.units, dist.device, DTYPES[flags.amp], recipe, **cli.model_options(flags))
     optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
     ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
     apex_amp = None

@@ -1,6 +1,6 @@
-"""The flags for models that outgrow one device's memory: activation checkpointing (ddp_tricks/activations.py) and
-HSDP's replicas (distributed/mesh.py), as
-one more group of the full command line (`build_parser`: flags.py's groups, then this one). No torch import here.
+"""The flags for models that outgrow one device's memory: activation checkpointing (ddp_tricks/activations.py),
+HSDP's replicas (distributed/mesh.py) and meta-device initialisation (distributed/meta_init.py), as one more group
+of the full command line (`build_parser`: flags.py's groups, then this one). No torch import here.
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ def large_model_flags(g: argparse._ArgumentGroup) -> None:
         metavar="R",
         help="--strategy fsdp as HSDP: R replicas x world/R shards (shard within a node, replicate across nodes: "
         "R = the number of nodes); 1: sharded over every process",
+    )
+    g.add_argument(
+        "--no-meta-init",
+        dest="meta_init",
+        action="store_false",
+        help="--strategy fsdp builds the model on the CPU whole, then shards it (default: built on the meta "
+        "device and materialised per shard, with the same initial weights)",
     )
     g.add_argument(
         "--activation-checkpointing",

@@ -289,7 +289,8 @@ def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None,
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     scalars = [p for p in model.parameters() if p.dim() == 0]
     for param in scalars:
-        torch.distributed.broadcast(param.detach(), 0)
+        if not param.is_meta:  # on the meta device: materialised alike on every rank (meta_init.py)
+            torch.distributed.broadcast(param.detach(), 0)
     ignored = {"ignored_params": set(scalars)} if scalars else {}
     done = set()
     if dtype is not None:

@@ -31,10 +31,10 @@ def describe(world_size: int, replicas: int) -> str:
 
 
 def build(device_type: str, world_size: int, replicas: int = 1):
-    """The mesh `fsdp.shard` takes: None for the 1-D one over every rank, else (replicas, shards), named."""
-    if replicas == 1:
-        return None
+    """The mesh `fsdp.shard` takes: 1-D over every rank, else (replicas, shards), named."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if replicas == 1:
+        return init_device_mesh(device_type, (world_size,))
     shape = (replicas, world_size // replicas)
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))

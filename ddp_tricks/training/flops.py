@@ -56,6 +56,16 @@ def count(model: nn.Module, loss, inputs, targets) -> int:
     return counter.get_total_flops()
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` on the meta device, made without copying a tensor's data (a model on the meta device's
+    stand-in, meta_init.checkable, has parameters of one element expanded: a copy would make them whole)."""
+    memo: dict = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
 def measure(task, model: nn.Module, inputs, targets, samples: int) -> Flops:
     """FLOPs per sample (and per unit) of one training step of `task` on `model` with the batch (`inputs`, `targets`,
     `samples` samples), counted on a meta-device copy of the model; on a real copy on the CPU where the meta device
@@ -65,7 +75,7 @@ def measure(task, model: nn.Module, inputs, targets, samples: int) -> Flops:
     kept = dict(vars(task))  # a loss may set the task's attributes (a statistic moved to the outputs' device)
     try:
         try:
-            on_meta = copy.deepcopy(model).to("meta").train()
+            on_meta = meta_copy(model).train()
             flops = count(on_meta, task.loss, *(to(part, "meta") for part in (inputs, targets)))
             return Flops(flops / samples, flops / max(units, 1.0), "meta")
         except Exception as error:  # an op without a meta kernel, a loss that reads values

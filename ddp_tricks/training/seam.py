@@ -149,6 +149,31 @@ def check_scoring(task, model: nn.Module, dataset, collate=None) -> Layout | Non
     return layout
 
 
+def gradient_kinds(loss, params: list[torch.Tensor]) -> list[str | None]:
+    """What one backward of `loss` gives each of `params`: "dense", "sparse" or None (no gradient). Each gradient is
+    read and dropped as autograd hands it over (a hook after it is accumulated), so no more than a few are ever held:
+    a model on the meta device's stand-in (meta_init.checkable) is checked in little more than its activations.
+    The parameters' .grad are as they were after."""
+    kinds: dict[int, str] = {}
+    saved = [p.grad for p in params]
+
+    def read(p):
+        kinds[id(p)] = "sparse" if p.grad.is_sparse else "dense"
+        p.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(read) for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+    finally:
+        for hook, p, grad in zip(hooks, params, saved):
+            hook.remove()
+            p.grad = grad
+    return [kinds.get(id(p)) for p in params]
+
+
 def sparse_parameters(task, model: nn.Module, dataset, collate=None) -> list[str]:
     """The names of the parameters that get sparse gradients (nn.Embedding(sparse=True), F.embedding(...,
     sparse=True)), from one backward of the task's loss on check_task's four training samples (the model as the loss
@@ -157,15 +182,9 @@ def sparse_parameters(task, model: nn.Module, dataset, collate=None) -> list[str
     if not params:
         return []
     inputs, targets = batch_of(dataset, list(range(min(CHECKED, len(dataset)))), collate)
-    try:
-        with torch.enable_grad(), as_loss_sees_it(task, model):
-            loss = task.loss(float_outputs(model(inputs)), targets)
-            if loss.requires_grad:
-                loss.backward()
-        return [name for name, p in params if p.grad is not None and p.grad.is_sparse]
-    finally:
-        for _, p in params:
-            p.grad = None
+    with torch.enable_grad(), as_loss_sees_it(task, model):
+        kinds = gradient_kinds(task.loss(float_outputs(model(inputs)), targets), [p for _, p in params])
+    return [name for (name, _), kind in zip(params, kinds) if kind == "sparse"]
 
 
 def check_sparse(
@@ -317,17 +336,13 @@ def check_unused_parameters(task, model: nn.Module, dataset, collate=None) -> No
     try:
         with torch.random.fork_rng(devices=[]):
             model.train()
-            loss = task.loss(float_outputs(model(inputs)), targets)
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-            else:
-                grads = [None] * len(params)
+            kinds = gradient_kinds(task.loss(float_outputs(model(inputs)), targets), [p for _, p in params])
     finally:
         model.train(training)
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), buffers):
                 buffer.copy_(saved)
-    unused = [name for (name, _), grad in zip(params, grads) if grad is None]
+    unused = [name for (name, _), kind in zip(params, kinds) if kind is None]
     if unused:
         shown = ", ".join(repr(n) for n in unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
         raise UserError(

@@ -1,0 +1,327 @@
+"""Meta-device initialisation (--strategy fsdp): the task's model built on the meta device (no memory, no time),
+sharded there, then materialised shard by shard with exactly the weights the plain build on the CPU would give
+for the same seed, so that no rank ever holds the whole model.
+
+How, and why not the modules' `reset_parameters`: the build is recorded. While `task.model()` runs on the meta
+device, every aten op that makes a tensor or writes into one is kept with its arguments (a `TorchDispatchMode`);
+`torch.tensor(data)` keeps its data (the meta device would drop it), and the `nn.init` functions that do nothing on
+a meta tensor (trunc_normal_, orthogonal_, dirac_, sparse_) are kept as calls. Materialising replays that record on
+the CPU from the random state the build started from: the same ops in the same order on the same generator, so each
+parameter comes out bit for bit as the plain build makes it, whatever its modules do (nn.TransformerEncoder deep-
+copies one layer, nn.MultiheadAttention initialises its out_proj twice: running each module's reset_parameters
+would give other weights). A tensor lives on the CPU only from its first op to its last; then this rank's piece of
+it is copied into its shard and it is freed. Peak host memory: the shards, plus the few whole tensors in flight.
+
+Where the record cannot stand for the build, the model is built plainly on the CPU and the start line says why,
+naming what: an op the meta device cannot run (a value read during the build), tensors made on another device,
+random numbers drawn outside the record, lazy modules, a parameter whose initialisation was not seen.
+
+Before the process group, the start-up checks (preflight.py) run on the model as `checkable` makes it: each
+parameter a zero expanded to its shape (one element of memory), each buffer with its replayed values. That first
+replay also leaves the random generator where the plain build would, so what is drawn after the build is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# nn.init functions that return a meta tensor untouched: recorded as calls, replayed by calling them
+SKIP_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+EMPTY = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}  # make a tensor, no values
+CONSTANTS = (torch.tensor, torch.as_tensor, torch.asarray)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class Ref:
+    """A tensor of the record: its storage, and the view of it that an op took."""
+
+    __slots__ = ("storage", "offset", "size", "stride")
+
+    def __init__(self, t: torch.Tensor):
+        self.storage, self.offset, self.size, self.stride = _storage(t), t.storage_offset(), t.shape, t.stride()
+
+
+@dataclass
+class Op:
+    call: Callable
+    args: tuple
+    kwargs: dict
+    made: list[Ref]  # the tensors this op makes (new storages): none for an op that writes into its arguments
+    values: bool = True  # whether what it makes has values (not torch.empty)
+
+
+@dataclass
+class Recipe:
+    """The recorded build: replaying `ops` from the random state `rng` gives the plain build's tensors."""
+
+    ops: list[Op]
+    rng: torch.Tensor
+    names: dict[int, list[str]] = field(default_factory=dict)  # a storage -> the parameters and buffers it holds
+    shapes: dict[str, tuple] = field(default_factory=dict)  # a name -> its size, strides and offset as built
+
+    def replay(self, finish: Callable[[str, torch.Tensor], None], keep: Callable[[str], bool] = lambda _: True):
+        """Run the ops on the CPU in order; each parameter or buffer is handed to `finish(name, tensor)` after its
+        last op (`keep(name)` False: not made beyond what its random draws need), every tensor freed after its
+        last use. The random generator is left where the plain build leaves it."""
+        last: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            for ref in _refs(op):
+                last[ref.storage] = i
+        live: dict[int, torch.Tensor] = {}
+        torch.set_rng_state(self.rng)
+        with torch.no_grad():
+            for i, op in enumerate(self.ops):
+                args, kwargs = tree_map(lambda x: _real(x, live), (op.args, op.kwargs))
+                made = [t for t in tree_flatten(op.call(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+                if op.made:
+                    given = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+                    fresh = [t for t in made if _storage(t) not in given]
+                    live.update((ref.storage, t) for ref, t in zip(op.made, fresh))
+                for storage in [s for s in live if last.get(s, -1) <= i]:
+                    base = live.pop(storage)
+                    for name in self.names.get(storage, ()):
+                        if keep(name):
+                            finish(name, base)
+
+
+def _refs(op: Op) -> list[Ref]:
+    return [x for x in tree_flatten((op.args, op.kwargs))[0] if isinstance(x, Ref)] + op.made
+
+
+def _real(x, live: dict):
+    if isinstance(x, Ref):
+        return torch.as_strided(live[x.storage], x.size, x.stride, x.offset)
+    if isinstance(x, torch.device) and x.type == "meta":
+        return torch.device("cpu")
+    return x
+
+
+class _Record(TorchDispatchMode):
+    """Every aten op that makes a tensor or writes into one, while the build runs on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.kept: list[torch.Tensor] = []  # every tensor made, alive to the end: a storage is never reused
+        self.written: set[int] = set()  # storages that got values
+        self.foreign: str | None = None
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        given = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self.foreign is None:
+            other = next((t for t in given + made if t.device.type != "meta"), None)
+            if other is not None:
+                self.foreign = f"{func.__name__.split('.')[0]} on {other.device}"
+        self.kept.extend(made)
+        storages = {_storage(t) for t in given}
+        fresh = [t for t in made if _storage(t) not in storages]
+        writes = [
+            given_arg
+            for schema_arg, given_arg in zip(func._schema.arguments, args)
+            if schema_arg.alias_info is not None
+            and schema_arg.alias_info.is_write
+            and isinstance(given_arg, torch.Tensor)
+        ]
+        if writes or fresh:
+            values = func._schema.name.split("::")[-1] not in EMPTY
+            spec = tree_map(lambda x: Ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            self.ops.append(Op(func, spec[0], spec[1], [Ref(t) for t in fresh], values))
+            self.written |= {_storage(t) for t in writes} | ({_storage(t) for t in fresh} if values else set())
+        return out
+
+    def call(self, function: Callable, args: tuple, kwargs: dict, made: torch.Tensor | None = None):
+        """A call kept whole (an nn.init function that skips meta tensors, or torch.tensor's data)."""
+        spec = tree_map(lambda x: Ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        if made is not None:
+            self.kept.append(made)
+        self.ops.append(Op(function, spec[0], spec[1], [Ref(made)] if made is not None else []))
+        self.written |= {r.storage for r in _refs(self.ops[-1])}
+
+
+class _Constants(TorchFunctionMode):
+    """torch.tensor(data) on the meta device keeps no data: the record keeps it, made on the CPU."""
+
+    def __init__(self, record: _Record):
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in CONSTANTS and isinstance(out, torch.Tensor) and out.device.type == "meta":
+            self.record.paused = True
+            try:
+                value = func(*args, **{**kwargs, "device": "cpu"})
+            finally:
+                self.record.paused = False
+            self.record.call(value.clone, (), {}, made=out)
+        return out
+
+
+@contextlib.contextmanager
+def _skipping_inits_recorded(record: _Record):
+    """nn.init's functions that skip meta tensors, recorded as calls while the build runs."""
+    originals = {name: getattr(nn.init, name) for name in SKIP_META}
+
+    def recorded(original):
+        def call(tensor, *args, **kwargs):
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                record.call(original, (tensor, *args), kwargs)
+                return tensor
+            return original(tensor, *args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(nn.init, name, recorded(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+
+
+def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]:
+    """`make()` (the task's model()) on the meta device, recorded: the model, the recipe that materialises it and
+    the start line's words. Where the record cannot stand for the plain build: `make()` on the CPU, None, and why."""
+    rng = torch.get_rng_state()
+    record = _Record()
+    try:
+        with torch.device("meta"), _skipping_inits_recorded(record), record, _Constants(record):
+            model = make()
+    except Exception as error:  # an op without a meta kernel, a value read while building
+        why = f"the meta device cannot run the task's model() ({type(error).__name__}: {str(error)[:120]})"
+        return _plain(make, rng, why)
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    lazy = [name for name, t in tensors if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    where = next((f"{name} on {t.device}" for name, t in tensors if t.device.type != "meta"), record.foreign)
+    unset = [name for name, t in tensors if not lazy and _storage(t) not in record.written]
+    if lazy:
+        return _plain(make, rng, f"lazy modules ({lazy[0]}) take their shapes from the first forward")
+    if where is not None:
+        return _plain(make, rng, f"the task's model() makes tensors off the meta device ({where})")
+    if not torch.equal(rng, torch.get_rng_state()):
+        return _plain(make, rng, "the task's model() sets the CPU's random state itself (torch.manual_seed)")
+    if unset:
+        return _plain(
+            make,
+            rng,
+            f"{unset[0]!r} gets no values while it is built (an init that skips meta tensors, imported by name "
+            f"rather than called as nn.init.trunc_normal_ and the like, or a tensor left uninitialised)",
+        )
+    recipe = Recipe(record.ops, rng)
+    for name, t in tensors:
+        recipe.names.setdefault(_storage(t), []).append(name)
+        recipe.shapes[name] = (t.shape, t.stride(), t.storage_offset())
+    return model, recipe, "built on the meta device and materialised per shard (the plain build's initial weights)"
+
+
+def _plain(make, rng: torch.Tensor, why: str) -> tuple[nn.Module, None, str]:
+    torch.set_rng_state(rng)
+    return make(), None, f"built whole on the CPU, not on the meta device: {why}"
+
+
+@contextlib.contextmanager
+def checkable(model: nn.Module, recipe: Recipe | None):
+    """The meta-device model, for the start-up checks: each parameter a zero expanded to its shape on the CPU, each
+    buffer its replayed values; back on the meta device after. The replay leaves the random generator where the
+    plain build leaves it. No recipe (a plain build): the model as it is."""
+    if recipe is None:
+        yield model
+        return
+    buffers: dict[str, torch.Tensor] = {}
+    owned = dict(model.named_buffers(remove_duplicate=False))
+    keep = owned.__contains__
+    recipe.replay(lambda name, t: buffers.__setitem__(name, _view(t, recipe.shapes[name]).clone()), keep=keep)
+    stand_ins: dict[int, nn.Parameter] = {}
+    swapped = []  # (module, its own parameters and buffers as built)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        swapped.append((module, dict(module._parameters), dict(module._buffers)))
+        for name, p in module._parameters.items():
+            if p is not None:
+                zero = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                module._parameters[name] = stand_ins.setdefault(id(p), nn.Parameter(zero, p.requires_grad))
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = buffers[f"{prefix}.{name}" if prefix else name]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield model
+    finally:
+        for module, parameters, built_buffers in swapped:
+            module._parameters.update(parameters)
+            module._buffers.update(built_buffers)
+
+
+def _pack(t: torch.Tensor):
+    """What autograd keeps for the backward of a check on the stand-in: a zero tensor (a weight made contiguous for
+    a matrix product, the activations of zero weights) as its shape alone, so that a backward through the whole
+    model holds no more than one layer's tensors at a time."""
+    return (t.shape, t.dtype, t.device) if t.numel() > 4096 and not t.any() else t
+
+
+def _unpack(packed):
+    return torch.zeros(packed[0], dtype=packed[1], device=packed[2]) if isinstance(packed, tuple) else packed
+
+
+def _view(base: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A tensor's own view of its storage's tensor (`shape`: its size, strides and offset; a parameter may be a
+    view of a larger tensor)."""
+    return torch.as_strided(base, *shape)
+
+
+def materialise(model: nn.Module, recipe: Recipe, device: torch.device) -> None:
+    """The sharded meta-device model on `device` (`to_empty`), each parameter's and buffer's piece on this rank
+    filled from the replay."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # the same parameter objects, on `device`:
+    try:  # a tied one stays one, and what holds them already (FSDP, its 0-d parameters' reduction) keeps them
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    targets = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    filled = set()
+
+    def finish(name: str, base: torch.Tensor):
+        whole = _view(base, recipe.shapes[name])
+        target = targets[name]
+        piece, local = (_piece(whole, target), target.to_local()) if hasattr(target, "to_local") else (whole, target)
+        if piece.shape != local.shape:
+            raise RuntimeError(f"meta init: {name}'s piece {tuple(piece.shape)} for a shard {tuple(local.shape)}")
+        local.detach().copy_(piece)
+        filled.add(name)
+
+    with torch.random.fork_rng(devices=[]):
+        recipe.replay(finish)
+    missing = sorted(set(targets) - filled)
+    if missing:
+        raise RuntimeError(f"meta init: {missing[:3]} not filled by the replay")
+
+
+def _piece(whole: torch.Tensor, target) -> torch.Tensor:
+    """This rank's piece of `whole` as the DTensor `target` places it: for each mesh dimension that shards it,
+    torch.chunk's piece at this rank's coordinate (DTensor's and FSDP2's split), empty past the last chunk."""
+    piece = whole
+    for mesh_dim, placement in enumerate(target.placements):
+        if placement.is_shard():
+            chunks = torch.chunk(piece, target.device_mesh.size(mesh_dim), dim=placement.dim)
+            rank = target.device_mesh.get_local_rank(mesh_dim)
+            piece = chunks[rank] if rank < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    return piece
