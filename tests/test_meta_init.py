@@ -87,7 +87,7 @@ def _plain(make, seed=0):
 def test_the_replayed_meta_build_gives_the_plain_build_s_tensors_and_random_state(make):
     """Every parameter and buffer equals the plain build's bit for bit, and the random numbers drawn after the
     build (by checkable's replay) are the ones drawn after the plain build. Broken on purpose: a replay that does
-    not start from the build's random state fails every one. Each module's reset_parameters() in module order, the
+    not start from the build's random state fails them (6 of the 7). Each module's reset_parameters() in module order, the
     way this is often done, would fail all but the digits CNN (seen: the encoder's layers are deep copies of one,
     attention re-initialises its out_proj's bias, resnet18's convolutions are kaiming_normal_ by the model)."""
     make()  # a task's data first, as run.py loads it
@@ -205,7 +205,9 @@ def _sharded_tensors(rank, world_size, replicas, argv):
 def test_materialised_per_shard_the_gathered_weights_are_the_plain_build_s(world_size, replicas):
     """On 2 and 3 ranks (3 does not divide the widths: uneven last chunks) and on a 2 x 2 HSDP mesh, tied weights
     included, each rank's shards gathered give the plain build's tensors bit for bit. Broken on purpose: each rank
-    filling its shard with chunk 0 (a rank ignored in _piece) fails every sharded tensor on rank 1."""
+    filling its shard with chunk 0 (the rank ignored in _piece) fails it on rank 1 (materialise's guard: the
+    embedding's 257 rows give chunk 0 129 of them, rank 1's shard 128; a tensor of even rows would differ in
+    value)."""
     argv = [*LM, "--tie-weights"]
     plain, _ = _plain(lambda: _task(argv).model())
     want = _tensors(plain)
@@ -272,9 +274,9 @@ def test_peak_host_memory_per_rank_stays_near_its_shard(tmp_path):
     rank's peak resident memory from start to the built training state (--plot-lr stops there), less a 1-block
     width-32 model's (what torch, the data and the run cost without a model). The plain build holds the whole model,
     more than the model; the meta build its shard (227 MiB) and little more: under the shard and a quarter of the
-    model (measured here: 50 MiB over the shard, the same at 12 and 24 blocks). Broken on purpose: the checks'
-    stand-in made whole (torch.zeros(p.shape) in checkable) fails it, and so does checking it without _pack (the
-    contiguous copies of the weights kept for the backward: +220 MiB at 12 blocks)."""
+    model (measured here: 434 MiB, shard 217, meta 266, plain 460; 50 MiB over the shard at 12 and 24 blocks too).
+    Broken on purpose: the checks' stand-in made whole (torch.zeros(p.shape) in checkable) fails it (meta 468), and
+    checking it without _pack kept the weights' contiguous copies for the backward (+220 MiB at 12 blocks)."""
     base = _peak_rss_mib([*BIG, "--width", "32", "--depth", "1", "-n", "base"], tmp_path)
     big = [*BIG, "--width", "768", "--depth", "16"]
     with torch.device("meta"):
