@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multiproc import launch
+from test_cuda import cuda_test
 
 from ddp_tricks import cli
 
@@ -194,3 +195,22 @@ def test_the_language_model_trains_alike_with_and_without_activation_checkpointi
         row = _rows(tmp_path / run_dir)[-1]
         for name in ("train_loss", "val_loss", "val_ppl"):
             assert float(row[name]) == pytest.approx(float(expected[name]), rel=1e-5), (run_dir, name)
+
+
+@cuda_test
+@pytest.mark.timeout(600)
+def test_on_a_gpu_activation_checkpointing_under_fsdp_gives_the_losses_of_the_run_without(tmp_path):
+    """One GPU, nccl, --strategy fsdp, --amp bf16, deterministic kernels: --activation-checkpointing full and ops
+    give the run without's losses (≤ 1e-5 relative: the recomputed forward is the same kernels on the same
+    inputs)."""
+    common = [*PACKED, "--depth", "2", "--strategy", "fsdp", "--backend", "nccl", "--device", "cuda", "--amp",
+              "bf16", "--deterministic", "--runs-dir", str(tmp_path)]  # fmt: skip
+    runs = {mode: launch([*common, "-n", mode, *(["--activation-checkpointing", mode] if mode != "plain" else [])],
+                         nproc=1, timeout=300) for mode in ("plain", "full", "ops")}  # fmt: skip
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    expected = _rows(tmp_path / "plain")[-1]
+    for mode in ("full", "ops"):
+        row = _rows(tmp_path / mode)[-1]
+        for name in ("train_loss", "val_loss"):
+            assert float(row[name]) == pytest.approx(float(expected[name]), rel=1e-5), (mode, name)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from multiproc import launch, run_ranks
 from resumed import assert_resumed, saved_state
+from test_cuda import cuda_test, two_gpus
 from test_fsdp import OPTIMIZERS, _grads, _mlp, _optimizer_alone
 
 import run
@@ -118,3 +119,18 @@ def test_hsdp_2x2_follows_ddp_and_its_checkpoint_resumes_at_1x2_and_4x1(tmp_path
         assert_resumed(again.stdout, saved, 2 * saved["global_step"])
         losses.append(_val_loss(tmp_path / name))
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+@cuda_test
+@two_gpus
+@pytest.mark.timeout(600)
+def test_on_two_gpus_hsdp_2x1_over_nccl_follows_ddp(tmp_path):
+    """Two GPUs, nccl: --strategy fsdp --fsdp-replicas 2 (2 replicas of 1 shard: the all-reduce across replicas
+    on nccl) with LAMB ends an epoch within 1e-3 (relative) of DDP's validation loss."""
+    runs = ["--runs-dir", str(tmp_path), "--backend", "nccl", "--device", "cuda"]
+    ddp = launch([*LM, *runs, "-n", "ddp", "-e", "1"], nproc=2, timeout=400)
+    hsdp = launch([*LM, *runs, "-n", "hsdp", "-e", "1", "--strategy", "fsdp", "--fsdp-replicas", "2"], nproc=2,
+                  timeout=400)  # fmt: skip
+    assert ddp.returncode == 0 and hsdp.returncode == 0, ddp.stderr[-2000:] + hsdp.stderr[-2000:]
+    assert "HSDP: 2 replicas x 1 shard (" in hsdp.stdout
+    assert _val_loss(tmp_path / "hsdp") == pytest.approx(_val_loss(tmp_path / "ddp"), rel=1e-3)

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 import torch
 from multiproc import REPO, launch, run_ranks, torchrun_command
+from test_cuda import cuda_test
 from torch import nn
 from torch.nn.init import trunc_normal_ as trunc_normal_by_name
 
@@ -87,9 +88,10 @@ def _plain(make, seed=0):
 def test_the_replayed_meta_build_gives_the_plain_build_s_tensors_and_random_state(make):
     """Every parameter and buffer equals the plain build's bit for bit, and the random numbers drawn after the
     build (by checkable's replay) are the ones drawn after the plain build. Broken on purpose: a replay that does
-    not start from the build's random state fails them (6 of the 7). Each module's reset_parameters() in module order, the
-    way this is often done, would fail all but the digits CNN (seen: the encoder's layers are deep copies of one,
-    attention re-initialises its out_proj's bias, resnet18's convolutions are kaiming_normal_ by the model)."""
+    not start from the build's random state fails them (6 of the 7). Each module's reset_parameters() in module
+    order, the way this is often done, would fail all but the digits CNN (seen: the encoder's layers are deep copies
+    of one, attention re-initialises its out_proj's bias, resnet18's convolutions are kaiming_normal_ by the
+    model)."""
     make()  # a task's data first, as run.py loads it
     plain, drawn = _plain(make)
     torch.manual_seed(0)
@@ -287,3 +289,21 @@ def test_peak_host_memory_per_rank_stays_near_its_shard(tmp_path):
     print(numbers)
     assert plain > whole, numbers
     assert meta < whole / 2 + whole / 4, numbers
+
+
+@cuda_test
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+def test_on_a_gpu_the_meta_build_materialises_on_the_device_and_trains_as_the_plain_build(amp, tmp_path):
+    """One GPU, nccl, --strategy fsdp: the model materialised on cuda from the CPU replay trains to the metrics of
+    the plain build moved to the GPU (the same initial weights; the GPU's kernels alike in both runs), in fp32 and
+    bf16."""
+    args = [*LM, "--strategy", "fsdp", "--backend", "nccl", "--device", "cuda", "--amp", amp, "-e", "1", "-b", "8",
+            "--no-progress", "--runs-dir", str(tmp_path), "--deterministic"]  # fmt: skip
+    meta = launch([*args, "-n", "meta"], nproc=1, timeout=300)
+    plain = launch([*args, "-n", "plain", "--no-meta-init"], nproc=1, timeout=300)
+    assert meta.returncode == 0 and plain.returncode == 0, (meta.stderr[-3000:], plain.stderr[-3000:])
+    assert f"model {MATERIALISED}" in meta.stdout and "device cuda" in meta.stdout
+    meta_row, plain_row = _rows(tmp_path / "meta")[0], _rows(tmp_path / "plain")[0]
+    for key in ("train_loss", "val_loss", "val_token_acc"):
+        assert float(meta_row[key]) == pytest.approx(float(plain_row[key]), rel=1e-5), key

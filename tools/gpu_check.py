@@ -1,5 +1,6 @@
-"""Is this GPU machine ready? One command: the CUDA tests (`pytest -m cuda tests/test_cuda.py`), then the optimizer
-benchmark on the GPU, summed up in one JSON line printed last. Installs nothing and needs no virtual environment:
+"""Is this GPU machine ready? One command: every CUDA test (`pytest -m cuda tests`: those marked `cuda` in any test
+file; the ones that need two GPUs skip on one), then the optimizer benchmark on the GPU, summed up in one JSON line
+printed last. Installs nothing and needs no virtual environment:
 only this repo and a Python with torch and torchvision (pytest too, for the tests).
 
     python3 tools/gpu_check.py        (or: make gpu-check [PYTHON=/path/to/python])
@@ -20,7 +21,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TESTS = "tests/test_cuda.py"
+TESTS = "tests"
 BENCH = "bench/optim_step.py"
 
 

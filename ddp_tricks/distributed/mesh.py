@@ -27,7 +27,9 @@ def describe(world_size: int, replicas: int) -> str:
     """The start line's words for the mesh."""
     if replicas == 1:
         return f"sharded over all {world_size} process(es)"
-    return f"HSDP: {replicas} replicas x {world_size // replicas} shards (the shards of a replica: consecutive ranks)"
+    shards = world_size // replicas
+    plural = "s" if shards > 1 else ""
+    return f"HSDP: {replicas} replicas x {shards} shard{plural} (the shards of a replica: consecutive ranks)"
 
 
 def build(device_type: str, world_size: int, replicas: int = 1):
