@@ -127,6 +127,24 @@ def test_the_checks_stand_in_holds_one_element_per_parameter_and_the_built_buffe
     assert all(t.is_meta for t in _tensors(model).values()) and all(p.grad is None for p in model.parameters())
 
 
+def test_the_flops_of_a_step_are_counted_on_the_meta_device_from_the_stand_in_as_from_the_plain_model():
+    """The per-step rows' FLOPs, counted at start on a meta copy of what the checks see: the stand-in gives the
+    plain model's count, on the meta device (not a real copy: of a stand-in that would make every parameter whole).
+    Broken on purpose: the stand-in's saved-tensor hook reading a meta tensor's values (no `is_meta` guard in _pack)
+    fails it (counted on real tensors, RuntimeError), at width 128 where a saved weight has more than 4096
+    elements."""
+    from ddp_tricks.training import flops
+
+    task = _task([*LM, "--width", "128"])
+    train, _ = task.datasets()
+    plain = flops.of_task(task, task.model(), train, task.collate, 4)
+    model, recipe, _ = meta_init.build(task.model)
+    with meta_init.checkable(model, recipe):
+        counted = flops.of_task(task, model, train, task.collate, 4)
+    assert counted.counted_on == plain.counted_on == "meta", counted.describe()
+    assert counted.per_sample == plain.per_sample > 0
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -293,7 +311,7 @@ def test_peak_host_memory_per_rank_stays_near_its_shard(tmp_path):
 
 @cuda_test
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+@pytest.mark.parametrize("amp", ["off", "bf16"])
 def test_on_a_gpu_the_meta_build_materialises_on_the_device_and_trains_as_the_plain_build(amp, tmp_path):
     """One GPU, nccl, --strategy fsdp: the model materialised on cuda from the CPU replay trains to the metrics of
     the plain build moved to the GPU (the same initial weights; the GPU's kernels alike in both runs), in fp32 and

@@ -274,7 +274,8 @@ def _pack(t: torch.Tensor):
     """What autograd keeps for the backward of a check on the stand-in: a zero tensor (a weight made contiguous for
     a matrix product, the activations of zero weights) as its shape alone, so that a backward through the whole
     model holds no more than one layer's tensors at a time."""
-    return (t.shape, t.dtype, t.device) if t.numel() > 4096 and not t.any() else t
+    zero = t.numel() > 4096 and not t.is_meta and not t.any()  # the FLOPs' count runs a meta copy in here too
+    return (t.shape, t.dtype, t.device) if zero else t
 
 
 def _unpack(packed):
