@@ -112,6 +112,30 @@ def test_flops_per_sample_of_the_default_cnn_and_resnet50_are_a_plain_forward_an
     assert 3 * 2 * 4.089e9 * 0.99 < measured.per_sample < 3 * 2 * 4.089e9 * 1.01
 
 
+class ReadsAValue(torch.nn.Module):
+    """A forward the meta device cannot run: it reads a value (`.item()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 10)
+        self.norm = torch.nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        return self.lin(self.norm(x)) * (1.0 if x.abs().max().item() > 0 else 0.0)
+
+
+def test_where_the_meta_device_cannot_run_the_step_its_flops_are_counted_on_a_copy_sharing_the_weights():
+    """The real-tensor count: the plain count; the model's weights, gradients and BatchNorm statistics untouched.
+    Broken on purpose: counting on the model itself (no copy) fails it (its running mean moves, gradients set)."""
+    model, inputs, targets = ReadsAValue(), torch.randn(4, 64), torch.randint(0, 10, (4,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    measured = flops.measure(Classify(), model, inputs, targets, len(inputs))
+    assert measured.counted_on == "real" and "RuntimeError" in measured.note
+    assert measured.per_sample == count_plainly(ReadsAValue(), inputs, targets) / len(inputs)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_resumed_run_s_rows_after_its_checkpoint_are_dropped(tmp_path):
     """Broken on purpose: CsvRows keeping every row it finds fails it (steps 25..50 twice after the rewrite)."""
     columns = ["step", "epoch", "train_loss"]

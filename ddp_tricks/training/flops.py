@@ -49,10 +49,16 @@ class Flops:
 
 
 def count(model: nn.Module, loss, inputs, targets) -> int:
-    """The FLOPs of `loss(model(inputs), targets)` and its backward, as FlopCounterMode counts them."""
-    with FlopCounterMode(display=False) as counter:
-        outputs = model(inputs)
-        loss(float_outputs(outputs), targets).backward()
+    """The FLOPs of `loss(model(inputs), targets)` and its backward, as FlopCounterMode counts them; each gradient
+    dropped as it comes (none is read)."""
+    drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    try:
+        with FlopCounterMode(display=False) as counter:
+            outputs = model(inputs)
+            loss(float_outputs(outputs), targets).backward()
+    finally:
+        for hook in drop:
+            hook.remove()
     return counter.get_total_flops()
 
 
@@ -63,6 +69,13 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for t in [*model.parameters(), *model.buffers()]:
         empty = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def sharing_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters share the model's memory (a count never writes them; its buffers, which a
+    forward may update, are copied): no second copy of the weights, nor of a stand-in's whole."""
+    memo = {id(p): nn.Parameter(p.detach(), p.requires_grad) for p in model.parameters()}
     return copy.deepcopy(model, memo)
 
 
@@ -83,7 +96,7 @@ def measure(task, model: nn.Module, inputs, targets, samples: int) -> Flops:
         vars(task).clear()
         vars(task).update(kept)
         try:
-            flops = count(copy.deepcopy(model).train(), task.loss, inputs, targets)
+            flops = count(sharing_copy(model).train(), task.loss, inputs, targets)
         except Exception as error:  # counted nowhere: the rows give no FLOPs, the run goes on
             return Flops(0.0, 0.0, "none", f"{note}, nor real tensors: {type(error).__name__}")
         return Flops(flops / samples, flops / max(units, 1.0), "real", note)
