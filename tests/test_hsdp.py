@@ -4,6 +4,7 @@ run follows DDP; a checkpoint written at 2 x 2 resumes at 1 x 2 and 4 x 1; a lay
 line."""
 
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -119,6 +120,51 @@ def test_hsdp_2x2_follows_ddp_and_its_checkpoint_resumes_at_1x2_and_4x1(tmp_path
         assert_resumed(again.stdout, saved, 2 * saved["global_step"])
         losses.append(_val_loss(tmp_path / name))
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+def _last_row(run_dir) -> dict:
+    lines = (run_dir / "metrics.csv").read_text().splitlines()
+    return dict(zip(lines[0].split(","), lines[-1].split(",")))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hsdp_2x2_with_ema_clipping_and_lookahead_follows_the_1d_mesh(tmp_path):
+    """4 processes, LAMB under Lookahead, --clip-grad-norm 0.05 (it clips every step here) and model EMA: on a 2 x 2
+    mesh an epoch ends within 1e-4 (relative) of the same run sharded over all 4 (the 1-D mesh, itself tested against
+    one process), the trained and the EMA's validation losses alike. Broken on purpose: the clipping norm summed over
+    the whole world instead of the shard dimension (shards.shard_group returning the world's group: each slice's
+    square counted once per replica, the norm √2 too large) fails it."""
+    flags = [*LM, "--runs-dir", str(tmp_path), "-e", "1", "--strategy", "fsdp", "--lookahead", "--clip-grad-norm",
+             "0.05", "--model-ema", "0.9"]  # fmt: skip
+    flat = launch([*flags, "-n", "flat"], nproc=4, timeout=400)
+    hsdp = launch([*flags, "-n", "hsdp", "--fsdp-replicas", "2"], nproc=4, timeout=400)
+    assert flat.returncode == 0 and hsdp.returncode == 0, flat.stderr[-2000:] + hsdp.stderr[-2000:]
+    got, expected = _last_row(tmp_path / "hsdp"), _last_row(tmp_path / "flat")
+    for name in ("train_loss", "val_loss", "val_ema_loss"):
+        assert float(got[name]) == pytest.approx(float(expected[name]), rel=1e-4), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_under_hsdp_ends_the_job_with_the_silent_rank_named(tmp_path):
+    """The watchdog on a 2 x 2 mesh: rank 1 stops itself (SIGSTOP) at its 30th step; within --heartbeat-timeout (5 s)
+    and a few seconds the job ends with HUNG (exit 4) and says rank 1 is silent, never a hang."""
+    from multiproc import Job
+    from test_hangs import env, state, wait_for
+
+    args = ["--task", "tests/hang_tasks.py:Faulty", "--no-progress", "--batch-size", "4", "--epochs", "1",
+            "--runs-dir", tmp_path, "-n", "stop", "--strategy", "fsdp", "--fsdp-replicas", "2", "--heartbeat-timeout",
+            "5"]  # fmt: skip
+    with Job(args, nproc=4, env=env(FAULT="stop", AT=30)) as job:
+        wait_for(lambda: state(job.pids[1]) == "T" or job.poll() is not None, 150, "rank 1 to stop")
+        try:
+            _, err = job.communicate(timeout=60)
+        except subprocess.TimeoutExpired as late:
+            raise AssertionError(f"still running 60 s after the stop:\n{late.stderr[-3000:]}") from None
+        codes = job.exitcodes
+    assert codes[0] == 4, (codes, err[-3000:])
+    assert "error: the job hangs: rank 1 is silent: no heartbeat for 5 s" in err, err[-3000:]
 
 
 @cuda_test
