@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import os
 import subprocess
 
@@ -159,6 +160,18 @@ class OnTheCpu(nn.Module):
         self.w = nn.Parameter(torch.randn(3, device="cpu"))
 
 
+class Pretrained(nn.Module):
+    WEIGHTS = {"lin.weight": torch.ones(3, 3), "lin.bias": torch.zeros(3)}  # what torch.load would give
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        buffer = io.BytesIO()
+        torch.save(self.WEIGHTS, buffer)
+        buffer.seek(0)
+        self.load_state_dict(torch.load(buffer))
+
+
 class Reseeds(nn.Module):
     def __init__(self):
         super().__init__()
@@ -181,7 +194,8 @@ class InitByName(nn.Module):
 
 FALLBACKS = {
     "a value read": (DataDependent, "the meta device cannot run the task's model() (RuntimeError"),
-    "a tensor on the cpu": (OnTheCpu, "makes tensors off the meta device (w on cpu)"),
+    "a tensor on the cpu": (OnTheCpu, "uses tensors off the meta device (w on cpu: weights loaded from a file"),
+    "pretrained weights": (Pretrained, "uses tensors off the meta device (empty on cpu: weights loaded from a file"),
     "a reseed": (Reseeds, "sets the CPU's random state itself (torch.manual_seed)"),
     "lazy": (Lazy, "lazy modules (lin.weight) take their shapes from the first forward"),
     "init imported by name": (InitByName, "'w' gets no values while it is built"),

@@ -24,6 +24,7 @@ replay also leaves the random generator where the plain build would, so what is 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -205,7 +206,9 @@ def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]
     record = _Record()
     try:
         with torch.device("meta"), _skipping_inits_recorded(record), record, _Constants(record):
-            model = make()
+            with warnings.catch_warnings():  # torch's words on the meta device (a copy into it is a no-op): ours say
+                warnings.filterwarnings("ignore", message=".*meta.*")
+                model = make()
     except Exception as error:  # an op without a meta kernel, a value read while building
         why = f"the meta device cannot run the task's model() ({type(error).__name__}: {str(error)[:120]})"
         return _plain(make, rng, why)
@@ -216,7 +219,8 @@ def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]
     if lazy:
         return _plain(make, rng, f"lazy modules ({lazy[0]}) take their shapes from the first forward")
     if where is not None:
-        return _plain(make, rng, f"the task's model() makes tensors off the meta device ({where})")
+        why = f"the task's model() uses tensors off the meta device ({where}: weights loaded from a file, a device=)"
+        return _plain(make, rng, why)
     if not torch.equal(rng, torch.get_rng_state()):
         return _plain(make, rng, "the task's model() sets the CPU's random state itself (torch.manual_seed)")
     if unset:
