@@ -24,6 +24,7 @@ replay also leaves the random generator where the plain build would, so what is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 # nn.init functions that return a meta tensor untouched: recorded as calls, replayed by calling them
 SKIP_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 EMPTY = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}  # make a tensor, no values
+# in-place ops that write every element of their first argument and read none of it
+OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_", "cauchy_",
+              "log_normal_", "geometric_"}  # fmt: skip
 CONSTANTS = (torch.tensor, torch.as_tensor, torch.asarray)
 
 
@@ -45,12 +49,18 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class Ref:
-    """A tensor of the record: its storage, and the view of it that an op took."""
+    """A tensor of the record: its storage, the view of it that an op took, and whether that view is all of it."""
 
-    __slots__ = ("storage", "offset", "size", "stride")
+    __slots__ = ("storage", "offset", "size", "stride", "dtype", "whole")
 
     def __init__(self, t: torch.Tensor):
         self.storage, self.offset, self.size, self.stride = _storage(t), t.storage_offset(), t.shape, t.stride()
+        self.dtype = t.dtype
+        self.whole = self.offset == 0 and t.is_contiguous() and t.nbytes == t.untyped_storage().nbytes()
+
+    def empty(self) -> torch.Tensor:
+        """A CPU tensor of this view's layout, for the storage it is all of."""
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype)
 
 
 @dataclass
@@ -60,6 +70,11 @@ class Op:
     kwargs: dict
     made: list[Ref]  # the tensors this op makes (new storages): none for an op that writes into its arguments
     values: bool = True  # whether what it makes has values (not torch.empty)
+    overwrites: bool = False  # it writes all of its first argument's storage, reading none of it (uniform_, fill_)
+
+    def target(self) -> Ref | None:
+        """The storage this op writes in place (its first argument), if it does."""
+        return self.args[0] if self.args and isinstance(self.args[0], Ref) and not self.made else None
 
 
 @dataclass
@@ -73,27 +88,70 @@ class Recipe:
 
     def replay(self, finish: Callable[[str, torch.Tensor], None], keep: Callable[[str], bool] = lambda _: True):
         """Run the ops on the CPU in order; each parameter or buffer is handed to `finish(name, tensor)` after its
-        last op (`keep(name)` False: not made beyond what its random draws need), every tensor freed after its
-        last use. The random generator is left where the plain build leaves it."""
-        last: dict[int, int] = {}
-        for i, op in enumerate(self.ops):
-            for ref in _refs(op):
-                last[ref.storage] = i
+        last op (`keep(name)` False: not made beyond what its random draws need). A tensor is made at its last
+        whole overwrite (or its first use, where none) and freed after its last use; an op whose result a later
+        overwrite discards, and that nothing reads, runs on a scratch tensor freed at once (its random draws still
+        made): a constructor that initialises every module again at its end (`self.apply(init)`) holds no more than
+        one tensor at a time. The random generator is left where the plain build leaves it. Returns the most bytes
+        held at once."""
+        last, kill, read = self._lifetimes()
         live: dict[int, torch.Tensor] = {}
+        pending: dict[int, Ref] = {}  # made without values (torch.empty), not yet needed
+        peak = 0
         torch.set_rng_state(self.rng)
         with torch.no_grad():
             for i, op in enumerate(self.ops):
-                args, kwargs = tree_map(lambda x: _real(x, live), (op.args, op.kwargs))
+                if op.made and not op.values:
+                    pending.update((ref.storage, ref) for ref in op.made)
+                    continue
+                target = op.target()
+                scratch = {}
+                if target is not None and target.storage in pending and i < kill.get(target.storage, -1):
+                    if not read.get(target.storage, False):  # overwritten later, unread before: its values are moot
+                        scratch[target.storage] = pending[target.storage].empty()
+                for ref in _refs(op):
+                    if ref.storage in pending and ref.storage not in scratch and ref not in op.made:
+                        live[ref.storage] = pending.pop(ref.storage).empty()
+                held = {**live, **scratch}
+                args, kwargs = tree_map(functools.partial(_real, live=held), (op.args, op.kwargs))
                 made = [t for t in tree_flatten(op.call(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
                 if op.made:
                     given = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
                     fresh = [t for t in made if _storage(t) not in given]
-                    live.update((ref.storage, t) for ref, t in zip(op.made, fresh))
+                    for ref, t in zip(op.made, fresh):
+                        if i < kill.get(ref.storage, -1) and not read.get(ref.storage, False):
+                            pending[ref.storage] = ref  # overwritten before it is read: its values are not kept
+                        else:
+                            live[ref.storage] = t
+                alive = {_storage(t): t for t in [*held.values(), *made, *live.values()]}
+                peak = max(peak, sum(t.untyped_storage().nbytes() for t in alive.values()))
+                held = scratch = args = kwargs = made = alive = None  # the scratch tensors go now
                 for storage in [s for s in live if last.get(s, -1) <= i]:
                     base = live.pop(storage)
                     for name in self.names.get(storage, ()):
                         if keep(name):
                             finish(name, base)
+                for storage in [s for s in pending if last.get(s, -1) <= i]:
+                    del pending[storage]
+        return peak
+
+    def _lifetimes(self) -> tuple[dict[int, int], dict[int, int], dict[int, bool]]:
+        """Per storage: the index of its last op; of its last whole overwrite; whether another op reads it before
+        that overwrite (a clone of it, a sum over it: then its earlier values matter)."""
+        last: dict[int, int] = {}
+        kill: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            for ref in _refs(op):
+                last[ref.storage] = i
+            if op.overwrites:
+                kill[op.args[0].storage] = i
+        read: dict[int, bool] = {}
+        for i, op in enumerate(self.ops):
+            target = op.target()
+            for ref in _refs(op):
+                if ref is not target and ref not in op.made and i < kill.get(ref.storage, -1):
+                    read[ref.storage] = True
+        return last, kill, read
 
 
 def _refs(op: Op) -> list[Ref]:
@@ -141,9 +199,11 @@ class _Record(TorchDispatchMode):
             and isinstance(given_arg, torch.Tensor)
         ]
         if writes or fresh:
-            values = func._schema.name.split("::")[-1] not in EMPTY
+            name, values = func._schema.name.split("::")[-1], func._schema.name.split("::")[-1] not in EMPTY
             spec = tree_map(lambda x: Ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-            self.ops.append(Op(func, spec[0], spec[1], [Ref(t) for t in fresh], values))
+            first = spec[0][0] if spec[0] and isinstance(spec[0][0], Ref) else None
+            whole = bool(writes) and not fresh and name in OVERWRITES and first is not None and first.whole
+            self.ops.append(Op(func, spec[0], spec[1], [Ref(t) for t in fresh], values, whole))
             self.written |= {_storage(t) for t in writes} | ({_storage(t) for t in fresh} if values else set())
         return out
 
@@ -152,7 +212,9 @@ class _Record(TorchDispatchMode):
         spec = tree_map(lambda x: Ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         if made is not None:
             self.kept.append(made)
-        self.ops.append(Op(function, spec[0], spec[1], [Ref(made)] if made is not None else []))
+        first = spec[0][0] if spec[0] and isinstance(spec[0][0], Ref) else None
+        overwrites = made is None and first is not None and first.whole  # the nn.init calls write all of it
+        self.ops.append(Op(function, spec[0], spec[1], [Ref(made)] if made is not None else [], True, overwrites))
         self.written |= {r.storage for r in _refs(self.ops[-1])}
 
 
