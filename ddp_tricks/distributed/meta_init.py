@@ -9,8 +9,10 @@ a meta tensor (trunc_normal_, orthogonal_, dirac_, sparse_) are kept as calls. M
 the CPU from the random state the build started from: the same ops in the same order on the same generator, so each
 parameter comes out bit for bit as the plain build makes it, whatever its modules do (nn.TransformerEncoder deep-
 copies one layer, nn.MultiheadAttention initialises its out_proj twice: running each module's reset_parameters
-would give other weights). A tensor lives on the CPU only from its first op to its last; then this rank's piece of
-it is copied into its shard and it is freed. Peak host memory: the shards, plus the few whole tensors in flight.
+would give other weights). A tensor lives on the CPU only from its last whole overwrite (its first op, where none)
+to its last op; then this rank's piece of it is copied into its shard and it is freed; a write that a later one
+discards runs on a scratch tensor (its random draws are still made), so a constructor that initialises everything
+again at its end holds one tensor at a time. Peak host memory: the shards, plus the few whole tensors in flight.
 
 Where the record cannot stand for the build, the model is built plainly on the CPU and the start line says why,
 naming what: an op the meta device cannot run (a value read during the build), tensors made on another device,
