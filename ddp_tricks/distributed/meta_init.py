@@ -18,15 +18,18 @@ Where the record cannot stand for the build, the model is built plainly on the C
 naming what: an op the meta device cannot run (a value read during the build), tensors made on another device,
 random numbers drawn outside the record, lazy modules, a parameter whose initialisation was not seen.
 
-Before the process group, the start-up checks (preflight.py) run on the model as `checkable` makes it: each
-parameter a zero expanded to its shape (one element of memory), each buffer with its replayed values. That first
-replay also leaves the random generator where the plain build would, so what is drawn after the build is the same.
+build() replays the record once: the buffers' values, and the random generator left where the plain build leaves it
+(what is drawn after the build is the same; a record that does not replay falls back here). Before the process
+group, the start-up checks (preflight.py) run on the model as `checkable` makes it: each parameter a zero expanded
+to its shape (one element of memory), each buffer with those values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,11 +75,12 @@ class Op:
     kwargs: dict
     made: list[Ref]  # the tensors this op makes (new storages): none for an op that writes into its arguments
     values: bool = True  # whether what it makes has values (not torch.empty)
-    overwrites: bool = False  # it writes all of its first argument's storage, reading none of it (uniform_, fill_)
+    written: Ref | None = None  # the one tensor it writes in place, its first argument (None: none, or others)
+    overwrites: bool = False  # it writes all of that tensor's storage, reading none of it (uniform_, fill_)
 
     def target(self) -> Ref | None:
-        """The storage this op writes in place (its first argument), if it does."""
-        return self.args[0] if self.args and isinstance(self.args[0], Ref) and not self.made else None
+        """The tensor this op writes in place, where it is its first argument and the only one it writes."""
+        return self.written
 
 
 @dataclass
@@ -86,11 +90,12 @@ class Recipe:
     ops: list[Op]
     rng: torch.Tensor
     names: dict[int, list[str]] = field(default_factory=dict)  # a storage -> the parameters and buffers it holds
-    shapes: dict[str, tuple] = field(default_factory=dict)  # a name -> its size, strides and offset as built
+    shapes: dict[str, tuple] = field(default_factory=dict)  # a name -> its size, strides, offset and dtype as built
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers' values, from the first replay
 
-    def replay(self, finish: Callable[[str, torch.Tensor], None], keep: Callable[[str], bool] = lambda _: True):
+    def replay(self, finish: Callable[[str, torch.Tensor], None], keep=None) -> int:
         """Run the ops on the CPU in order; each parameter or buffer is handed to `finish(name, tensor)` after its
-        last op (`keep(name)` False: not made beyond what its random draws need). A tensor is made at its last
+        last op (only those named in `keep`, where given). A tensor is made at its last
         whole overwrite (or its first use, where none) and freed after its last use; an op whose result a later
         overwrite discards, and that nothing reads, runs on a scratch tensor freed at once (its random draws still
         made): a constructor that initialises every module again at its end (`self.apply(init)`) holds no more than
@@ -131,7 +136,7 @@ class Recipe:
                 for storage in [s for s in live if last.get(s, -1) <= i]:
                     base = live.pop(storage)
                     for name in self.names.get(storage, ()):
-                        if keep(name):
+                        if keep is None or name in keep:
                             finish(name, base)
                 for storage in [s for s in pending if last.get(s, -1) <= i]:
                     del pending[storage]
@@ -162,7 +167,7 @@ def _refs(op: Op) -> list[Ref]:
 
 def _real(x, live: dict):
     if isinstance(x, Ref):
-        return torch.as_strided(live[x.storage], x.size, x.stride, x.offset)
+        return _as_view(live[x.storage], (x.size, x.stride, x.offset, x.dtype))
     if isinstance(x, torch.device) and x.type == "meta":
         return torch.device("cpu")
     return x
@@ -178,46 +183,63 @@ class _Record(TorchDispatchMode):
         self.written: set[int] = set()  # storages that got values
         self.foreign: str | None = None
         self.paused = False
+        self.inits: set = set()  # the nn.init functions recorded as calls: each overwrites its tensor
+        self.reseeded: str | None = None  # a call that set the CPU's random state while building
+        self.generator: str | None = None  # an op that drew from a torch.Generator of the task's own
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.paused:
             return out
-        given = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat = tree_flatten((args, kwargs))[0]
+        given = [t for t in flat if isinstance(t, torch.Tensor)]
         made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if self.foreign is None:
             other = next((t for t in given + made if t.device.type != "meta"), None)
             if other is not None:
                 self.foreign = f"{func.__name__.split('.')[0]} on {other.device}"
+            elif any(isinstance(x, torch.Generator) for x in flat) and self.generator is None:
+                self.generator = func.__name__.split(".")[0]
         self.kept.extend(made)
         storages = {_storage(t) for t in given}
         fresh = [t for t in made if _storage(t) not in storages]
-        writes = [
-            given_arg
-            for schema_arg, given_arg in zip(func._schema.arguments, args)
-            if schema_arg.alias_info is not None
-            and schema_arg.alias_info.is_write
-            and isinstance(given_arg, torch.Tensor)
-        ]
+        writes = _written(func, args, kwargs)
         if writes or fresh:
-            name, values = func._schema.name.split("::")[-1], func._schema.name.split("::")[-1] not in EMPTY
+            name = func._schema.name.split("::")[-1]
             spec = tree_map(lambda x: Ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-            first = spec[0][0] if spec[0] and isinstance(spec[0][0], Ref) else None
-            whole = bool(writes) and not fresh and name in OVERWRITES and first is not None and first.whole
-            self.ops.append(Op(func, spec[0], spec[1], [Ref(t) for t in fresh], values, whole))
-            self.written |= {_storage(t) for t in writes} | ({_storage(t) for t in fresh} if values else set())
+            self._add(Op(func, spec[0], spec[1], [Ref(t) for t in fresh], name not in EMPTY), writes, name)
         return out
+
+    def _add(self, op: Op, writes: list[torch.Tensor], name: str = "") -> None:
+        """`op`, which writes `writes` in place: its target where it writes one tensor, its first argument (in-place
+        style, not `out=`), and whether it overwrites all of it."""
+        first = op.args[0] if op.args and isinstance(op.args[0], Ref) else None
+        if len(writes) == 1 and first is not None and not op.made and _storage(writes[0]) == first.storage:
+            op.written = first
+            op.overwrites = (name in OVERWRITES or op.call in self.inits) and first.whole
+        self.ops.append(op)
+        self.written |= {_storage(t) for t in writes} | ({r.storage for r in op.made} if op.values else set())
 
     def call(self, function: Callable, args: tuple, kwargs: dict, made: torch.Tensor | None = None):
         """A call kept whole (an nn.init function that skips meta tensors, or torch.tensor's data)."""
         spec = tree_map(lambda x: Ref(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         if made is not None:
             self.kept.append(made)
-        first = spec[0][0] if spec[0] and isinstance(spec[0][0], Ref) else None
-        overwrites = made is None and first is not None and first.whole  # the nn.init calls write all of it
-        self.ops.append(Op(function, spec[0], spec[1], [Ref(made)] if made is not None else [], True, overwrites))
-        self.written |= {r.storage for r in _refs(self.ops[-1])}
+        writes = [] if made is not None else [args[0]]  # an init writes its tensor
+        self._add(Op(function, spec[0], spec[1], [Ref(made)] if made is not None else []), writes)
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an aten op writes in place: its schema's mutable arguments, given by position or by name
+    (`out=`), lists of tensors flattened (the _foreach_ ops)."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return written
 
 
 class _Constants(TorchFunctionMode):
@@ -230,7 +252,8 @@ class _Constants(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in CONSTANTS and isinstance(out, torch.Tensor) and out.device.type == "meta":
+        data = tree_flatten((args, kwargs))[0]
+        if func in CONSTANTS and out.device.type == "meta" and not any(isinstance(x, torch.Tensor) for x in data):
             self.record.paused = True
             try:
                 value = func(*args, **{**kwargs, "device": "cpu"})
@@ -241,26 +264,34 @@ class _Constants(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _skipping_inits_recorded(record: _Record):
-    """nn.init's functions that skip meta tensors, recorded as calls while the build runs."""
-    originals = {name: getattr(nn.init, name) for name in SKIP_META}
+def _watching(record: _Record):
+    """While the build runs, the Python calls that the aten ops do not show: nn.init's functions that skip meta
+    tensors, under any name they were imported by (recorded as calls), and what sets the CPU's random state
+    (torch.manual_seed, set_rng_state: fork_rng's too), which a replay could not repeat (a profile hook; one that
+    was there is called too)."""
+    inits = {getattr(nn.init, name).__code__: getattr(nn.init, name) for name in SKIP_META}
+    record.inits = set(inits.values())
+    seeds = {f.__code__: f.__name__ for f in (torch.random.manual_seed, torch.random.seed, torch.random.set_rng_state)}
+    previous = sys.getprofile()
 
-    def recorded(original):
-        def call(tensor, *args, **kwargs):
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                record.call(original, (tensor, *args), kwargs)
-                return tensor
-            return original(tensor, *args, **kwargs)
+    def watch(frame, event, arg):
+        if event == "call" and not record.paused:
+            if frame.f_code in inits:
+                function, local = inits[frame.f_code], frame.f_locals
+                if isinstance(local.get("tensor"), torch.Tensor) and local["tensor"].is_meta:
+                    if local.get("generator") is not None and record.generator is None:
+                        record.generator = function.__name__
+                    record.call(function, tuple(local[name] for name in inspect.signature(function).parameters), {})
+            elif frame.f_code in seeds and record.reseeded is None:
+                record.reseeded = f"torch.{seeds[frame.f_code]}"
+        if callable(previous):
+            previous(frame, event, arg)
 
-        return call
-
-    for name, original in originals.items():
-        setattr(nn.init, name, recorded(original))
+    sys.setprofile(watch)
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(nn.init, name, original)
+        sys.setprofile(previous)
 
 
 def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]:
@@ -269,7 +300,7 @@ def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]
     rng = torch.get_rng_state()
     record = _Record()
     try:
-        with torch.device("meta"), _skipping_inits_recorded(record), record, _Constants(record):
+        with torch.device("meta"), _watching(record), record, _Constants(record):
             with warnings.catch_warnings():  # torch's words on the meta device (a copy into it is a no-op): ours say
                 warnings.filterwarnings("ignore", message=".*meta.*")
                 model = make()
@@ -277,13 +308,31 @@ def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]
         why = f"the meta device cannot run the task's model() ({type(error).__name__}: {str(error)[:120]})"
         return _plain(make, rng, why)
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    attributes = [
+        f"{prefix}.{key}" if prefix else key
+        for prefix, module in model.named_modules()
+        for key, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and value.is_meta
+    ]
     lazy = [name for name, t in tensors if isinstance(t, nn.parameter.UninitializedTensorMixin)]
     where = next((f"{name} on {t.device}" for name, t in tensors if t.device.type != "meta"), record.foreign)
     unset = [name for name, t in tensors if not lazy and _storage(t) not in record.written]
     if lazy:
         return _plain(make, rng, f"lazy modules ({lazy[0]}) take their shapes from the first forward")
+    if record.generator is not None:
+        why = f"the task's model() draws from a torch.Generator of its own ({record.generator}): a replay would not"
+        return _plain(make, rng, why)
+    if record.reseeded is not None:
+        return _plain(make, rng, f"the task's model() sets the CPU's random state itself ({record.reseeded})")
+    if attributes:
+        return _plain(
+            make,
+            rng,
+            f"{attributes[0]!r} is a tensor the model holds as a plain attribute, neither parameter nor buffer: no "
+            "values on the meta device (register_buffer(name, tensor, persistent=False) makes it a buffer)",
+        )
     if where is not None:
-        why = f"the task's model() uses tensors off the meta device ({where}: weights loaded from a file, a device=)"
+        why = f"the task's model() uses tensors off the meta device ({where}: weights loaded, numpy, a device=)"
         return _plain(make, rng, why)
     if not torch.equal(rng, torch.get_rng_state()):
         return _plain(make, rng, "the task's model() sets the CPU's random state itself (torch.manual_seed)")
@@ -291,13 +340,18 @@ def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]
         return _plain(
             make,
             rng,
-            f"{unset[0]!r} gets no values while it is built (an init that skips meta tensors, imported by name "
-            f"rather than called as nn.init.trunc_normal_ and the like, or a tensor left uninitialised)",
+            f"{unset[0]!r} gets no values while it is built (left as torch.empty made it: the plain build's values "
+            "would be whatever memory held)",
         )
     recipe = Recipe(record.ops, rng)
     for name, t in tensors:
         recipe.names.setdefault(_storage(t), []).append(name)
-        recipe.shapes[name] = (t.shape, t.stride(), t.storage_offset())
+        recipe.shapes[name] = (t.shape, t.stride(), t.storage_offset(), t.dtype)
+    owned = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    try:  # a first replay: the buffers' values, for the checks; the random state left where the plain build leaves it
+        recipe.replay(lambda name, t: recipe.buffers.__setitem__(name, _as_view(t, recipe.shapes[name]).clone()), owned)
+    except Exception as error:  # an op the record keeps but cannot repeat on the CPU (resize_ of an empty tensor)
+        return _plain(make, rng, f"its record does not replay on the CPU ({type(error).__name__}: {str(error)[:120]})")
     return model, recipe, "built on the meta device and materialised per shard (the plain build's initial weights)"
 
 
@@ -309,15 +363,12 @@ def _plain(make, rng: torch.Tensor, why: str) -> tuple[nn.Module, None, str]:
 @contextlib.contextmanager
 def checkable(model: nn.Module, recipe: Recipe | None):
     """The meta-device model, for the start-up checks: each parameter a zero expanded to its shape on the CPU, each
-    buffer its replayed values; back on the meta device after. The replay leaves the random generator where the
-    plain build leaves it. No recipe (a plain build): the model as it is."""
+    buffer its values from build()'s first replay; back on the meta device after. No recipe (a plain build): the
+    model as it is."""
     if recipe is None:
         yield model
         return
-    buffers: dict[str, torch.Tensor] = {}
-    owned = dict(model.named_buffers(remove_duplicate=False))
-    keep = owned.__contains__
-    recipe.replay(lambda name, t: buffers.__setitem__(name, _view(t, recipe.shapes[name]).clone()), keep=keep)
+    buffers = recipe.buffers
     stand_ins: dict[int, nn.Parameter] = {}
     swapped = []  # (module, its own parameters and buffers as built)
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -350,10 +401,13 @@ def _unpack(packed):
     return torch.zeros(packed[0], dtype=packed[1], device=packed[2]) if isinstance(packed, tuple) else packed
 
 
-def _view(base: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """A tensor's own view of its storage's tensor (`shape`: its size, strides and offset; a parameter may be a
-    view of a larger tensor)."""
-    return torch.as_strided(base, *shape)
+def _as_view(base: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """A view of `base`'s storage (`layout`: size, strides, offset and dtype; a parameter may be a slice of a larger
+    tensor, a buffer a view in another dtype: view_as_real of a complex table, .view(torch.int32))."""
+    size, stride, offset, dtype = layout
+    if dtype == base.dtype:
+        return torch.as_strided(base, size, stride, offset)
+    return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), offset, size, stride)
 
 
 def materialise(model: nn.Module, recipe: Recipe, device: torch.device) -> None:
@@ -369,7 +423,7 @@ def materialise(model: nn.Module, recipe: Recipe, device: torch.device) -> None:
     filled = set()
 
     def finish(name: str, base: torch.Tensor):
-        whole = _view(base, recipe.shapes[name])
+        whole = _as_view(base, recipe.shapes[name])
         target = targets[name]
         piece, local = (_piece(whole, target), target.to_local()) if hasattr(target, "to_local") else (whole, target)
         if piece.shape != local.shape:

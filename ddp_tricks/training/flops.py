@@ -51,7 +51,8 @@ class Flops:
 def count(model: nn.Module, loss, inputs, targets) -> int:
     """The FLOPs of `loss(model(inputs), targets)` and its backward, as FlopCounterMode counts them; each gradient
     dropped as it comes (none is read)."""
-    drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen one takes no hook (and gets no gradient)
+    drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in trained]
     try:
         with FlopCounterMode(display=False) as counter:
             outputs = model(inputs)
