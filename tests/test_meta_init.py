@@ -319,6 +319,17 @@ def test_a_model_the_record_cannot_stand_for_is_built_plainly_and_said(make, sai
     assert all(torch.equal(t, want[name]) for name, t in got.items() if name not in uninitialised)
 
 
+def test_no_meta_init_under_ddp_is_one_line(tmp_path, capsys):
+    """--no-meta-init would be ignored under DDP (which builds on the CPU): one line, exit 2, nothing written.
+    Broken on purpose: the check left out of cli/checks.py fails it (the run trains)."""
+    import run
+
+    assert run.main(["--no-meta-init", "--runs-dir", str(tmp_path), "-e", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--no-meta-init acts only with --strategy fsdp" in err, err
+    assert not any(tmp_path.iterdir())
+
+
 MATERIALISED = "built on the meta device and materialised per shard (the plain build's initial weights)"
 
 

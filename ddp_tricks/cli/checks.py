@@ -173,6 +173,8 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
         raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")
     if cfg.strategy == "fsdp":
         _check_fsdp(cfg)
+    elif not cfg.meta_init:
+        raise UserError("--no-meta-init acts only with --strategy fsdp (DDP builds the model on the CPU): drop it")
     if cfg.amp_backend == "apex":
         _check_apex()
     if cfg.tensorboard:
