@@ -78,10 +78,6 @@ class Op:
     written: Ref | None = None  # the one tensor it writes in place, its first argument (None: none, or others)
     overwrites: bool = False  # it writes all of that tensor's storage, reading none of it (uniform_, fill_)
 
-    def target(self) -> Ref | None:
-        """The tensor this op writes in place, where it is its first argument and the only one it writes."""
-        return self.written
-
 
 @dataclass
 class Recipe:
@@ -95,12 +91,11 @@ class Recipe:
 
     def replay(self, finish: Callable[[str, torch.Tensor], None], keep=None) -> int:
         """Run the ops on the CPU in order; each parameter or buffer is handed to `finish(name, tensor)` after its
-        last op (only those named in `keep`, where given). A tensor is made at its last
-        whole overwrite (or its first use, where none) and freed after its last use; an op whose result a later
-        overwrite discards, and that nothing reads, runs on a scratch tensor freed at once (its random draws still
-        made): a constructor that initialises every module again at its end (`self.apply(init)`) holds no more than
-        one tensor at a time. The random generator is left where the plain build leaves it. Returns the most bytes
-        held at once."""
+        last op (only those named in `keep`, where given). A tensor is made at its last whole overwrite (or its
+        first use, where none) and freed after its last use; an op whose result a later overwrite discards, and that
+        nothing reads, runs on a scratch tensor freed at once (its random draws still made): a constructor that
+        initialises every module again at its end (`self.apply(init)`) holds one or two tensors at a time. The
+        random generator is left where the plain build leaves it. Returns the most bytes held at once."""
         last, kill, read = self._lifetimes()
         live: dict[int, torch.Tensor] = {}
         pending: dict[int, Ref] = {}  # made without values (torch.empty), not yet needed
@@ -111,7 +106,7 @@ class Recipe:
                 if op.made and not op.values:
                     pending.update((ref.storage, ref) for ref in op.made)
                     continue
-                target = op.target()
+                target = op.written
                 scratch = {}
                 if target is not None and target.storage in pending and i < kill.get(target.storage, -1):
                     if not read.get(target.storage, False):  # overwritten later, unread before: its values are moot
@@ -154,7 +149,7 @@ class Recipe:
                 kill[op.args[0].storage] = i
         read: dict[int, bool] = {}
         for i, op in enumerate(self.ops):
-            target = op.target()
+            target = op.written
             for ref in _refs(op):
                 if ref is not target and ref not in op.made and i < kill.get(ref.storage, -1):
                     read[ref.storage] = True

@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_tricks.data.loaders import batch_of
 from ddp_tricks.training.batches import float_outputs
+from ddp_tricks.training.seam import gradient_kinds
 
 # dense peak TFLOP/s by device name and dtype (the vendors' data sheets; no sparsity); the longest name a device's
 # name contains is taken, so "H100 PCIe" before "H100" (SXM)
@@ -51,15 +52,10 @@ class Flops:
 def count(model: nn.Module, loss, inputs, targets) -> int:
     """The FLOPs of `loss(model(inputs), targets)` and its backward, as FlopCounterMode counts them; each gradient
     dropped as it comes (none is read)."""
-    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen one takes no hook (and gets no gradient)
-    drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in trained]
-    try:
-        with FlopCounterMode(display=False) as counter:
-            outputs = model(inputs)
-            loss(float_outputs(outputs), targets).backward()
-    finally:
-        for hook in drop:
-            hook.remove()
+    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen one gets no gradient
+    with FlopCounterMode(display=False) as counter:
+        outputs = model(inputs)
+        gradient_kinds(loss(float_outputs(outputs), targets), trained)  # the backward, each gradient dropped
     return counter.get_total_flops()
 
 
