@@ -5,6 +5,7 @@ line."""
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,12 +89,26 @@ LM = ["--task", "examples/language_model.py:PythonSourceLM", "--pack", "--max-se
       "--no-progress"]  # fmt: skip
 
 
+def _last_row(run_dir) -> dict:
+    lines = (run_dir / "metrics.csv").read_text().splitlines()
+    return dict(zip(lines[0].split(","), lines[-1].split(",")))
+
+
 def _val_loss(run_dir) -> float:
-    return float((run_dir / "metrics.csv").read_text().splitlines()[-1].split(",")[_column(run_dir, "val_loss")])
+    return float(_last_row(run_dir)["val_loss"])
 
 
-def _column(run_dir, name) -> int:
-    return (run_dir / "metrics.csv").read_text().splitlines()[0].split(",").index(name)
+def _hsdp_follows_ddp(run_dir: Path, nproc: int, mesh_line: str, *extra: str) -> None:
+    """One epoch of the language model with LAMB under DDP and under --strategy fsdp --fsdp-replicas 2 on `nproc`
+    processes (`extra`: more flags for both): the start line says `mesh_line`, and the validation losses agree
+    within 1e-3 (relative)."""
+    runs = ["--runs-dir", str(run_dir), *extra]
+    ddp = launch([*LM, *runs, "-n", "ddp", "-e", "1"], nproc=nproc, timeout=400)
+    hsdp = launch([*LM, *runs, "-n", "hsdp", "-e", "1", "--strategy", "fsdp", "--fsdp-replicas", "2"], nproc=nproc,
+                  timeout=400)  # fmt: skip
+    assert ddp.returncode == 0 and hsdp.returncode == 0, ddp.stderr[-2000:] + hsdp.stderr[-2000:]
+    assert mesh_line in hsdp.stdout
+    assert _val_loss(run_dir / "hsdp") == pytest.approx(_val_loss(run_dir / "ddp"), rel=1e-3)
 
 
 @pytest.mark.slow
@@ -104,12 +119,7 @@ def test_hsdp_2x2_follows_ddp_and_its_checkpoint_resumes_at_1x2_and_4x1(tmp_path
     each from the checkpoint's step, to the same validation loss (≤ 1e-4 relative). Broken on purpose: the replicas'
     gradients left unaveraged (set_requires_all_reduce(False) after sharding) fails the first comparison."""
     runs = ["--runs-dir", str(tmp_path)]
-    ddp = launch([*LM, *runs, "-n", "ddp", "-e", "1"], nproc=4, timeout=400)
-    hsdp = launch([*LM, *runs, "-n", "hsdp", "-e", "1", "--strategy", "fsdp", "--fsdp-replicas", "2"], nproc=4,
-                  timeout=400)  # fmt: skip
-    assert ddp.returncode == 0 and hsdp.returncode == 0, ddp.stderr[-2000:] + hsdp.stderr[-2000:]
-    assert "HSDP: 2 replicas x 2 shards" in hsdp.stdout
-    assert _val_loss(tmp_path / "hsdp") == pytest.approx(_val_loss(tmp_path / "ddp"), rel=1e-3)
+    _hsdp_follows_ddp(tmp_path, 4, "HSDP: 2 replicas x 2 shards")
     saved = saved_state(tmp_path / "hsdp" / "last.dcp")
     losses = []
     for name, nproc, replicas in (("two", 2, "1"), ("four", 4, "4")):
@@ -120,11 +130,6 @@ def test_hsdp_2x2_follows_ddp_and_its_checkpoint_resumes_at_1x2_and_4x1(tmp_path
         assert_resumed(again.stdout, saved, 2 * saved["global_step"])
         losses.append(_val_loss(tmp_path / name))
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
-
-
-def _last_row(run_dir) -> dict:
-    lines = (run_dir / "metrics.csv").read_text().splitlines()
-    return dict(zip(lines[0].split(","), lines[-1].split(",")))
 
 
 @pytest.mark.slow
@@ -173,10 +178,4 @@ def test_a_stopped_rank_under_hsdp_ends_the_job_with_the_silent_rank_named(tmp_p
 def test_on_two_gpus_hsdp_2x1_over_nccl_follows_ddp(tmp_path):
     """Two GPUs, nccl: --strategy fsdp --fsdp-replicas 2 (2 replicas of 1 shard: the all-reduce across replicas
     on nccl) with LAMB ends an epoch within 1e-3 (relative) of DDP's validation loss."""
-    runs = ["--runs-dir", str(tmp_path), "--backend", "nccl", "--device", "cuda"]
-    ddp = launch([*LM, *runs, "-n", "ddp", "-e", "1"], nproc=2, timeout=400)
-    hsdp = launch([*LM, *runs, "-n", "hsdp", "-e", "1", "--strategy", "fsdp", "--fsdp-replicas", "2"], nproc=2,
-                  timeout=400)  # fmt: skip
-    assert ddp.returncode == 0 and hsdp.returncode == 0, ddp.stderr[-2000:] + hsdp.stderr[-2000:]
-    assert "HSDP: 2 replicas x 1 shard (" in hsdp.stdout
-    assert _val_loss(tmp_path / "hsdp") == pytest.approx(_val_loss(tmp_path / "ddp"), rel=1e-3)
+    _hsdp_follows_ddp(tmp_path, 2, "HSDP: 2 replicas x 1 shard (", "--backend", "nccl", "--device", "cuda")

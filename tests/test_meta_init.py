@@ -4,7 +4,6 @@ always the plain build: the same maker called on the CPU after the same seed, co
 
 from __future__ import annotations
 
-import csv
 import functools
 import io
 import os
@@ -13,6 +12,7 @@ import subprocess
 import pytest
 import torch
 from multiproc import REPO, launch, run_ranks, torchrun_command
+from test_big_lm import _rows
 from test_cuda import cuda_test
 from torch import nn
 from torch.nn.init import orthogonal_ as orthogonal_by_name
@@ -362,11 +362,6 @@ def test_materialised_per_shard_the_gathered_weights_are_the_plain_build_s(world
         assert lines == [f"model {MATERIALISED}"]
         assert got.keys() == want.keys()
         assert [name for name in want if not torch.equal(want[name], got[name])] == []
-
-
-def _rows(run_dir):
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.slow
