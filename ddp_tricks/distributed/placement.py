@@ -11,7 +11,6 @@ from torch import nn
 
 from ddp_tricks import activations
 from ddp_tricks.distributed import fsdp, mesh, meta_init
-from ddp_tricks.storage import sharded
 
 
 def make(task, strategy: str, meta: bool, state: dict | None) -> tuple[nn.Module, meta_init.Recipe | None, list[str]]:
@@ -20,7 +19,7 @@ def make(task, strategy: str, meta: bool, state: dict | None) -> tuple[nn.Module
     checkpoint of whole weights (a sharded run's best.pt) is loaded into a whole model: made on the CPU, said."""
     if strategy != "fsdp" or not meta:
         return task.model(), None, []
-    if state is not None and not sharded.holds_slices(state):
+    if state is not None and not any(isinstance(v, dict) for v in state["model"].values()):
         return task.model(), None, ["model built whole on the CPU: the checkpoint's whole weights are loaded into it"]
     model, recipe, line = meta_init.build(task.model)
     return model, recipe, [f"model {line}"]

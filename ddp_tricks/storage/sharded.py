@@ -126,12 +126,6 @@ def read(path: str | Path) -> dict:
         raise UserError(f"checkpoint {str(path)!r} has a damaged state.pt; resume from another checkpoint") from None
 
 
-def holds_slices(state: dict) -> bool:
-    """Whether a read checkpoint's weights are a sharded checkpoint's placeholders (read() before fill()), not whole
-    tensors (a last.pt, a sharded run's best.pt)."""
-    return any(isinstance(v, dict) for v in state["model"].values())
-
-
 def model_shapes(state: dict) -> dict[str, tuple]:
     """Every model entry's shape, from a read() state: placeholders say theirs."""
     shapes = {}
