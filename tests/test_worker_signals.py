@@ -272,3 +272,57 @@ def test_a_worker_killed_by_sigkill_is_one_line_naming_it(tmp_path):
         lines[0],
     ), lines[0]
     assert "Traceback" not in result.stderr and "preempted" not in result.stdout + result.stderr, result.stderr[-3000:]
+
+
+# A worker process that shares a tensor (by file descriptor, its resource sharer's thread serving it) and whose
+# client then drops the connection mid-handshake with the challenge unread, as a rank does when torch's SIGCHLD
+# handler raises in its main thread mid-fetch: the sharer's ConnectionResetError
+LOST_FETCH = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    from multiprocessing import resource_sharer
+    from ddp_tricks.data import workers
+    if sys.argv[1] == "worker_init":
+        workers.worker_init(0)
+    address, _ = resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))._id
+    client = socket.socket(socket.AF_UNIX)
+    client.connect(address)
+    time.sleep(0.5)  # the sharer's challenge arrives, and stays unread
+    client.close()
+    time.sleep(0.5)
+    print("served")
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_fetch_the_rank_abandons_leaves_no_traceback_in_the_worker():
+    """The CI once saw test_a_worker_killed_by_sigkill_is_one_line_naming_it fail: under the one-line error, a live
+    worker's resource-sharer thread printed "ConnectionResetError" (its rank, told of the dead worker mid-fetch, left
+    the handshake). A worker (worker_init) prints nothing for it; the same process without worker_init prints the
+    traceback (the check itself can fail), and any other error of the sharer keeps its report. Broken on purpose:
+    worker_init without its excepthook fails the first assertion."""
+    runs = {
+        how: subprocess.run(
+            [sys.executable, "-c", LOST_FETCH, how], cwd=REPO, capture_output=True, text=True, timeout=50
+        )
+        for how in ("worker_init", "plain")
+    }
+    hooked, plain = runs["worker_init"], runs["plain"]
+    assert hooked.returncode == 0 and hooked.stdout == "served\n" and hooked.stderr == "", hooked.stderr
+    assert plain.returncode == 0 and "resource_sharer" in plain.stderr, plain.stderr
+    assert re.search(r"^(ConnectionResetError|EOFError)", plain.stderr, re.MULTILINE), plain.stderr
+
+    from ddp_tricks.data import workers
+
+    reported = []
+    hook = workers._fetches_lost_unsaid(lambda *info: reported.append(info[0]))
+    serve = {"__name__": "multiprocessing.resource_sharer", "sys": sys}  # _serve's way: catch, call sys.excepthook
+    exec("def serve(kind, hook):\n try:\n  raise kind()\n except BaseException:\n  hook(*sys.exc_info())", serve)
+    for kind in (ConnectionResetError, KeyError):  # a lost fetch, then another error, both from the sharer's thread
+        serve["serve"](kind, hook)
+    try:
+        raise ConnectionResetError()  # a connection error of anything else
+    except ConnectionResetError:
+        hook(*sys.exc_info())
+    assert reported == [KeyError, ConnectionResetError]

@@ -17,6 +17,11 @@ handler ends a worker on a SIGTERM that its parent did not send, and the rank th
   the interpreter's end), and ends the worker quietly as torch's own handler does; any other SIGTERM, and every
   SIGINT, is dropped. Plain SIG_IGN would drop the rank's too: a worker still busy when its rank exits would then
   never end, and the rank's exit would wait for it forever.
+- A worker hands each batch's tensors to its rank by file descriptor, through multiprocessing's resource sharer (a
+  thread of the worker that the rank connects to). A rank that learns of a dead worker mid-fetch (torch's SIGCHLD
+  handler raises in the rank's main thread, wherever it is) drops a live worker's connection mid-handshake, and that
+  thread printed a ConnectionResetError traceback under the rank's one-line error (seen once in 1133 CI tests).
+  `worker_init` leaves such a lost fetch unsaid; any other error of any thread keeps its traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import multiprocessing
 import os
 import re
 import signal
+import sys
 import threading
 import weakref
 
@@ -70,7 +76,20 @@ def worker_init(worker_id: int) -> None:
         owner = multiprocessing.parent_process()  # the rank, whichever start method (fork, spawn, forkserver)
         owners = {os.getppid()} | ({owner.pid} if owner is not None else set())
         threading.Thread(target=_take_signals, args=(owners,), name="ddp_tricks-worker-signals", daemon=True).start()
+    sys.excepthook = _fetches_lost_unsaid(sys.excepthook)
     seed_worker(worker_id)
+
+
+def _fetches_lost_unsaid(hook):
+    """sys.excepthook, less the resource sharer's report of a rank that left mid-fetch (this module's docstring): the
+    sharer's thread calls sys.excepthook itself, so threading.excepthook never sees it."""
+
+    def excepthook(kind, error, trace):
+        sharer = trace is not None and trace.tb_frame.f_globals.get("__name__") == "multiprocessing.resource_sharer"
+        if not (sharer and issubclass(kind, (ConnectionError, EOFError))):
+            hook(kind, error, trace)
+
+    return excepthook
 
 
 def _take_signals(owners: set[int]) -> None:
