@@ -13,6 +13,7 @@ curves.png).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from ddp_tricks import cli
@@ -76,10 +77,10 @@ def run(flags, task, process: launch.Launch) -> int:
     model, recipe, made = placement.make(task, flags.strategy, flags.meta_init, state)  # FSDP: on the meta device
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     setup = preflight.Setup(process.world_size, nccl=nccl, **cli.check_options(flags))
-    with meta_init.checkable(model, recipe):  # a meta-device model checked as a stand-in of zeros
-        plan, found = preflight.check(  # one record of what the checks found: what comes after takes it
-            task, model, train_set, setup, lambda e: make_plan(flags, len(train_set), process.world_size, state, e)
-        )
+    plan_for = functools.partial(make_plan, flags, len(train_set), process.world_size, state)  # given equal shares
+    plan, found = meta_init.checked(  # one record of what the checks found (a meta-device model: on a stand-in)
+        model, recipe, lambda m: preflight.check(task, m, train_set, setup, plan_for)
+    )
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
     trains = not (flags.eval_only or flags.plot_lr)

@@ -11,8 +11,10 @@ module of a unit. Modes:
 A block's `forward` is replaced on the instance by one that calls the class's forward under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: the module stays where it was, so parameter names,
 state dicts and lookups by name are unchanged (`checkpoint_wrapper` would put `_checkpoint_wrapped_module` into
-every name). Without gradients (evaluation, cached accumulation's first pass) the forward runs plainly. A block that
-holds BatchNorm with running statistics is not checkpointed: its recomputed forward would update them twice.
+every name). Without gradients (evaluation, cached accumulation's first pass) the forward runs plainly. A block
+whose forward updates state of its own in training is not checkpointed: its recomputed forward would update it twice
+(running statistics of BatchNorm or InstanceNorm; spectral norm's power iteration, whose second update also changes
+the gradients).
 """
 
 from __future__ import annotations
@@ -38,11 +40,23 @@ def _blocks(units: list) -> list[nn.Module]:
 
 
 def _keeps_statistics(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in module.modules())
+    """Whether a forward of `module` in training updates state of its own: norms' running statistics, spectral
+    norm's vectors (its parametrization's buffers, or the older hook's)."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:  # BatchNorm, InstanceNorm
+            return True
+        if parametrize.is_parametrized(m) and any(any(True for _ in p.buffers()) for p in m.parametrizations.values()):
+            return True
+        if any(isinstance(hook, SpectralNorm) for hook in m._forward_pre_hooks.values()):
+            return True
+    return False
 
 
 def choose(units: list, mode: str) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(the blocks `mode` checkpoints, the blocks left alone because they hold BatchNorm statistics)."""
+    """(the blocks `mode` checkpoints, the blocks left alone because their forward updates state)."""
     blocks = _blocks(units)
     refused = [b for b in blocks if _keeps_statistics(b)]
     every = 1 if mode in MODES else int(mode)
@@ -123,5 +137,5 @@ def describe(model: nn.Module, units: list, mode: str) -> str:
     }.get(mode, f"every {mode}-th block, recomputed whole in the backward")
     line = f"activation checkpointing ({mode}): {len(chosen)} block(s), {shown or 'none'}: {how}"
     if refused:
-        line += f"; not {', '.join(repr(names[id(b)]) for b in refused)} (BatchNorm statistics would update twice)"
+        line += f"; not {', '.join(repr(names[id(b)]) for b in refused)} (their running statistics would update twice)"
     return line

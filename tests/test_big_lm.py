@@ -150,6 +150,53 @@ def test_activation_checkpointing_keeps_names_and_gradients_and_holds_fewer_byte
         assert not torch.equal(twin(_lm_batch()[0])[0], checkpointed(_lm_batch()[0])[0])
 
 
+def _stateful_blocks():
+    """Blocks whose training forward updates state of their own (InstanceNorm's running statistics, spectral norm's
+    power iteration, as a parametrization and as the older hook), and one whose parametrization holds none."""
+    from torch import nn
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(  # recomputed past the norm (Tanh saves its output): its statistics would update again
+            nn.Linear(6, 6),
+            nn.Unflatten(1, (2, 3)),
+            nn.InstanceNorm1d(2, track_running_stats=True),
+            nn.Flatten(),
+            nn.Tanh(),
+        ),  # fmt: skip
+        parametrizations.spectral_norm(nn.Linear(6, 6)),
+        nn.utils.spectral_norm(nn.Linear(6, 6)),
+        parametrizations.weight_norm(nn.Linear(6, 6)),
+    )
+
+
+@pytest.mark.timeout(120)
+def test_blocks_whose_forward_updates_their_state_are_not_checkpointed():
+    """A recomputed forward would update a block's own state twice: after two training steps, the checkpointed
+    model's buffers (running statistics, spectral norm's vectors) and gradients equal the plain model's; the start
+    line names the blocks left alone; weight_norm (no state) is checkpointed. Broken on purpose: _keeps_statistics
+    seeing BatchNorm alone (as before a review) fails it (InstanceNorm's running mean); without the parametrizations'
+    check, spectral norm's u."""
+    from ddp_tricks import activations
+
+    plain, checkpointed = _stateful_blocks(), _stateful_blocks()
+    units = list(checkpointed)
+    chosen = activations.apply(checkpointed, units, "full")
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    for model in (plain, checkpointed):
+        for _ in range(2):
+            model.zero_grad()
+            model(x).square().sum().backward()
+    for (name, a), (_, b) in zip(plain.named_buffers(), checkpointed.named_buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-7, rtol=0), name
+    assert chosen == [checkpointed[3]]
+    line = activations.describe(checkpointed, units, "full")
+    assert line.endswith("; not '0', '1', '2' (their running statistics would update twice)"), line
+
+
 @pytest.mark.timeout(300)
 def test_activation_checkpointing_composes_with_compile():
     """torch.compile (aot_eager: autograd traced, no C++ compiler needed) of a checkpointed model gives the eager
