@@ -137,9 +137,11 @@ def test_hsdp_2x2_follows_ddp_and_its_checkpoint_resumes_at_1x2_and_4x1(tmp_path
 def test_hsdp_2x2_with_ema_clipping_and_lookahead_follows_the_1d_mesh(tmp_path):
     """4 processes, LAMB under Lookahead, --clip-grad-norm 0.05 (it clips every step here) and model EMA: on a 2 x 2
     mesh an epoch ends within 1e-4 (relative) of the same run sharded over all 4 (the 1-D mesh, itself tested against
-    one process), the trained and the EMA's validation losses alike. Broken on purpose: the clipping norm summed over
-    the whole world instead of the shard dimension (shards.shard_group returning the world's group: each slice's
-    square counted once per replica, the norm √2 too large) fails it."""
+    one process), the trained and the EMA's validation losses alike. Broken on purpose: shards.shard_group returning
+    the world's group fails it, through LAMB's trust ratios (each slice's square counted once per replica). The
+    clipping here, every gradient a DTensor, is torch's over the mesh's placements, which never asks shard_group (a
+    review found the docstring said otherwise); the path for whole tensors beside shards is
+    shards.clip_grad_norm_'s own."""
     flags = [*LM, "--runs-dir", str(tmp_path), "-e", "1", "--strategy", "fsdp", "--lookahead", "--clip-grad-norm",
              "0.05", "--model-ema", "0.9"]  # fmt: skip
     flat = launch([*flags, "-n", "flat"], nproc=4, timeout=400)
