@@ -126,6 +126,14 @@ def _keep_products():
     return create_selective_checkpoint_contexts(_policy)
 
 
+def _nth(k: int) -> str:
+    """K as an ordinal: 'single' for 1 (every single block), else '2nd', '3rd', '4th', '11th', '22nd'."""
+    if k == 1:
+        return "single"
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
+
+
 def describe(model: nn.Module, units: list, mode: str) -> str:
     """The start line's note: what is checkpointed, by name."""
     chosen, refused = choose(units, mode)
@@ -134,7 +142,7 @@ def describe(model: nn.Module, units: list, mode: str) -> str:
     how = {
         "full": "each recomputed whole in the backward",
         "ops": "recomputed in the backward except their matrix products and attention (op-level selective)",
-    }.get(mode, f"every {mode}-th block, recomputed whole in the backward")
+    }.get(mode, f"every {_nth(int(mode))} block, recomputed whole in the backward")
     line = f"activation checkpointing ({mode}): {len(chosen)} block(s), {shown or 'none'}: {how}"
     if refused:
         line += f"; not {', '.join(repr(names[id(b)]) for b in refused)} (their running statistics would update twice)"

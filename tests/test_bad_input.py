@@ -82,6 +82,15 @@ CASES = {
     "model ema decay nan": (["--model-ema", "nan"], "--model-ema DECAY must be in (0, 1)"),
     "model ema warmup without ema": (["--model-ema-warmup"], "--model-ema-warmup acts only with --model-ema DECAY"),
     "monitor the ema without one": (["--monitor-metric", "ema_acc"], "follows the EMA's weights: add --model-ema"),
+    # a newcomer's try of #51's flags
+    "an example task's flag without its task": (
+        ["--strategy", "fsdp", "--pack"],
+        "--pack is a flag of the task examples/language_model.py:PythonSourceLM: give --task examples/language_",
+    ),
+    "an example task's flag close to a run's": (["--max-length", "64"], "--max-length is a flag of the task examples"),
+    "checkpointing mode unknown": (["--activation-checkpointing", "foo"], "must be none, full, ops or a positive"),
+    "checkpointing every 0th block": (["--activation-checkpointing", "0"], "integer K (every K-th block), got '0'"),
+    "checkpointing a digit int() refuses": (["--activation-checkpointing", "\u00b2"], "block), got '\u00b2'"),
 }
 
 
@@ -255,3 +264,13 @@ def test_checkpoint_of_another_optimizer_leaves_it_intact(tmp_path, capsys):
         capsys,
     )
     assert last.read_bytes() == before
+
+
+@pytest.mark.parametrize("value, mode", [("none", None), ("full", "full"), ("ops", "ops"), ("2", "2"), ("02", "2")])
+def test_activation_checkpointing_takes_none_as_off(value, mode):
+    """--activation-checkpointing none is the default said by --help (a config file or sweep can name it); K is kept
+    as its number."""
+    from ddp_tricks import cli
+
+    flags, _ = cli.parse(["--activation-checkpointing", value])
+    assert flags.activation_checkpointing == mode

@@ -9,7 +9,7 @@ import difflib
 
 from ddp_tricks import optim, schedules
 from ddp_tricks.cli.step_flags import add_step_flags
-from ddp_tricks.cli.tasks import DEFAULT_TASK
+from ddp_tricks.cli.tasks import DEFAULT_TASK, example_owning
 from ddp_tricks.errors import UserError
 
 
@@ -32,6 +32,9 @@ class Parser(argparse.ArgumentParser):
             flag = token.split("=", 1)[0]
             if flag in getattr(self, "builtin_task_flags", ()):
                 return f"; {flag} is a flag of the built-in task (task.py), and --task names another"
+            owner = example_owning(flag) if flag.startswith("--") else None
+            if owner is not None:
+                return f"; {flag} is a flag of the task {owner}: give --task {owner}"
             if flag.startswith("-") and len(flag) > 2:
                 # suggest the dashed spellings; the original projects' snake_case ones only to snake_case
                 candidates = known if "_" in flag else [option for option in known if "_" not in option]

@@ -13,11 +13,20 @@ from ddp_tricks.cli.flags import positive_int
 CHECKPOINTING = ("full", "ops")  # or an integer K: every K-th block
 
 
-def checkpointing_mode(text: str) -> str:
-    """--activation-checkpointing's value: full, ops or a positive integer K (kept as text)."""
-    if text in CHECKPOINTING or (text.isdigit() and int(text) >= 1):
-        return text
-    raise argparse.ArgumentTypeError(f"must be full, ops or a positive integer K (every K-th block), got {text!r}")
+def checkpointing_mode(text: str) -> str | None:
+    """--activation-checkpointing's value: none (None: off, the default), full, ops or a positive integer K (kept
+    as text)."""
+    if text == "none" or text in CHECKPOINTING:
+        return None if text == "none" else text
+    try:
+        every = int(text)
+    except ValueError:  # also what str.isdigit() lets through and int() refuses ('²')
+        every = 0
+    if every >= 1:
+        return str(every)
+    raise argparse.ArgumentTypeError(
+        f"must be none, full, ops or a positive integer K (every K-th block), got {text!r}"
+    )
 
 
 def large_model_flags(g: argparse._ArgumentGroup) -> None:
@@ -42,8 +51,8 @@ def large_model_flags(g: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="MODE",
         help="recompute the blocks' activations in the backward instead of holding them (the FSDP units, "
-        "DDP or FSDP): full (every block), ops (every block, keeping its matrix products and attention), or K "
-        "(every K-th block)",
+        "DDP or FSDP): full (every block), ops (every block, keeping its matrix products and attention), K "
+        "(every K-th block), or none",
     )
 
 

@@ -44,7 +44,8 @@ class Flops:
         """The start line's part: `FLOPs per sample 3.2 MFLOP (forward + backward, counted on the meta device)`."""
         if self.counted_on == "none":
             return f"FLOPs not counted ({self.note}): no TFLOP/s or MFU in the rows"
-        unit = f", {self.per_unit / 1e6:.4g} MFLOP per unit" if self.per_unit != self.per_sample else ""
+        counted = self.per_unit != self.per_sample
+        unit = f", {self.per_unit / 1e6:.4g} MFLOP per unit of the task's units()" if counted else ""
         where = "the meta device" if self.counted_on == "meta" else f"real tensors ({self.note})"
         return f"FLOPs per sample {self.per_sample / 1e6:.4g} MFLOP{unit} (forward + backward, counted on {where})"
 
