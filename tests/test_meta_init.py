@@ -65,6 +65,7 @@ class Zoo(nn.Module):
         self.q = nn.Parameter(torch.empty(6, 4))
         nn.init.orthogonal_(self.q)
         self.scale = nn.Parameter(torch.tensor([1.5, -2.0]))
+        self.shift = nn.Parameter(self.scale.new_tensor([0.25, 3.0]))  # a review: said 'no values', not recorded
         self.register_buffer("freqs", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
         self.part = nn.Parameter(torch.randn(12)[4:10])
 

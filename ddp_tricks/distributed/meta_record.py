@@ -135,7 +135,8 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class Constants(TorchFunctionMode):
-    """torch.tensor(data) on the meta device keeps no data: the record keeps it, made on the CPU."""
+    """torch.tensor(data) (and x.new_tensor(data)) on the meta device keeps no data: the record keeps it, made on
+    the CPU."""
 
     def __init__(self, record: Record):
         super().__init__()
@@ -144,10 +145,17 @@ class Constants(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        data = tree_flatten((args, kwargs))[0]
-        if func in CONSTANTS and out.device.type == "meta" and not any(isinstance(x, torch.Tensor) for x in data):
+        method = func is torch.Tensor.new_tensor and isinstance(out, torch.Tensor)  # args[0]: a tensor, not data
+        data = tree_flatten((args[1:] if method else args, kwargs))[0]
+        if (
+            (func in CONSTANTS or method)
+            and out.device.type == "meta"
+            and not any(isinstance(x, torch.Tensor) for x in data)
+        ):
             self.record.paused = True
             try:
+                if method:  # the dtype args[0] gives, the values on the CPU
+                    args = (torch.empty(0, dtype=args[0].dtype), *args[1:])
                 value = func(*args, **{**kwargs, "device": "cpu"})
             finally:
                 self.record.paused = False
