@@ -74,7 +74,11 @@ def test_a_replica_count_that_cannot_be_built_is_one_line(tmp_path, capsys):
     """Before any process group: replicas that do not divide the processes, or replicas under DDP. Broken on
     purpose: mesh.check without its --strategy check fails it (the DDP case then names the division, not DDP)."""
     cases = [
-        (["--strategy", "fsdp", "--fsdp-replicas", "2"], "--fsdp-replicas 2 does not divide the 1 processes"),
+        (
+            ["--strategy", "fsdp", "--fsdp-replicas", "2"],
+            "--fsdp-replicas 2 does not divide the 1 process(es) into equal replicas: give a divisor of 1, or a "
+            "multiple of 2 processes (and launch them with torchrun --nproc_per_node=N)",
+        ),
         (["--fsdp-replicas", "2"], "--fsdp-replicas 2 acts only with --strategy fsdp"),
     ]
     for extra, message in cases:

@@ -17,9 +17,11 @@ def check(world_size: int, replicas: int, strategy: str) -> None:
     if strategy != "fsdp":
         raise UserError(f"--fsdp-replicas {replicas} acts only with --strategy fsdp: add it or drop --fsdp-replicas")
     if world_size % replicas:
+        launch = " (and launch them with torchrun --nproc_per_node=N)" if world_size == 1 else ""
         raise UserError(
-            f"--fsdp-replicas {replicas} does not divide the {world_size} processes into equal replicas: give a "
-            f"divisor of {world_size} (each replica shards the model over world size / replicas processes)"
+            f"--fsdp-replicas {replicas} does not divide the {world_size} process(es) into equal replicas: give a "
+            f"divisor of {world_size}, or a multiple of {replicas} processes{launch} (each replica shards the model "
+            "over world size / replicas processes)"
         )
 
 
@@ -28,8 +30,9 @@ def describe(world_size: int, replicas: int) -> str:
     if replicas == 1:
         return f"sharded over all {world_size} process(es)"
     shards = world_size // replicas
-    plural = "s" if shards > 1 else ""
-    return f"HSDP: {replicas} replicas x {shards} shard{plural} (the shards of a replica: consecutive ranks)"
+    if shards == 1:  # every rank a whole replica: DDP's layout, through FSDP's gathers
+        return f"HSDP: {replicas} replicas x 1 shard (nothing sharded: each process holds the whole model)"
+    return f"HSDP: {replicas} replicas x {shards} shards (the shards of a replica: consecutive ranks)"
 
 
 def build(device_type: str, world_size: int, replicas: int = 1):
