@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 MODES = ("full", "ops")  # or an integer K as text: every K-th block (cli/large_models.py checks the flag)
+_SPECTRAL = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", ())  # spectral norm's parametrization (private)
 
 
 def _blocks(units: list) -> list[nn.Module]:
@@ -41,15 +42,17 @@ def _blocks(units: list) -> list[nn.Module]:
 
 def _keeps_statistics(module: nn.Module) -> bool:
     """Whether a forward of `module` in training updates state of its own: norms' running statistics, spectral
-    norm's vectors (its parametrization's buffers, or the older hook's)."""
+    norm's vectors (its parametrization's, or the older hook's)."""
     from torch.nn.utils import parametrize
     from torch.nn.utils.spectral_norm import SpectralNorm
 
     for m in module.modules():
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:  # BatchNorm, InstanceNorm
             return True
-        if parametrize.is_parametrized(m) and any(any(True for _ in p.buffers()) for p in m.parametrizations.values()):
-            return True
+        if parametrize.is_parametrized(m) and any(
+            isinstance(f, _SPECTRAL) for p in m.parametrizations.values() for f in p
+        ):
+            return True  # its power iteration; orthogonal's and a mask's buffers are constants
         if any(isinstance(hook, SpectralNorm) for hook in m._forward_pre_hooks.values()):
             return True
     return False
@@ -139,11 +142,14 @@ def describe(model: nn.Module, units: list, mode: str) -> str:
     chosen, refused = choose(units, mode)
     names = {id(m): name for name, m in model.named_modules()}
     shown = ", ".join(repr(names[id(b)]) for b in chosen[:3]) + (f" ... ({len(chosen)} in all)" if chosen[3:] else "")
-    how = {
-        "full": "each recomputed whole in the backward",
-        "ops": "recomputed in the backward except their matrix products and attention (op-level selective)",
-    }.get(mode, f"every {_nth(int(mode))} block, recomputed whole in the backward")
+    if mode == "full":
+        how = "each recomputed whole in the backward"
+    elif mode == "ops":
+        how = "recomputed in the backward except their matrix products and attention (op-level selective)"
+    else:
+        how = f"every {_nth(int(mode))} block, recomputed whole in the backward"
     line = f"activation checkpointing ({mode}): {len(chosen)} block(s), {shown or 'none'}: {how}"
     if refused:
-        line += f"; not {', '.join(repr(names[id(b)]) for b in refused)} (their running statistics would update twice)"
+        why = "a recomputed forward would update their running statistics or spectral norm's vectors twice"
+        line += f"; not {', '.join(repr(names[id(b)]) for b in refused)} ({why})"
     return line

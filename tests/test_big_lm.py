@@ -137,6 +137,8 @@ def test_activation_checkpointing_keeps_names_and_gradients_and_holds_fewer_byte
     chosen = activations.apply(checkpointed, units, mode)
     assert ([n for n, _ in checkpointed.named_parameters()], list(checkpointed.state_dict())) == names
     assert len(chosen) == {"full": 4, "ops": 4, "2": 2}[mode]
+    how = {"full": "each recomputed whole", "ops": "except their matrix products", "2": "every 2nd block, recomputed"}
+    assert how[mode] in activations.describe(checkpointed, units, mode)
     expected, plain_bytes, plain_calls = _grads_and_saved(plain)
     grads, saved, calls = _grads_and_saved(checkpointed)
     assert plain_calls == 1 and calls == 2  # "ops" runs the forward again too, reading the products it kept
@@ -152,7 +154,7 @@ def test_activation_checkpointing_keeps_names_and_gradients_and_holds_fewer_byte
 
 def _stateful_blocks():
     """Blocks whose training forward updates state of their own (InstanceNorm's running statistics, spectral norm's
-    power iteration, as a parametrization and as the older hook), and one whose parametrization holds none."""
+    power iteration, as a parametrization and as the older hook), and two whose parametrizations update nothing."""
     from torch import nn
     from torch.nn.utils import parametrizations
 
@@ -168,6 +170,7 @@ def _stateful_blocks():
         parametrizations.spectral_norm(nn.Linear(6, 6)),
         nn.utils.spectral_norm(nn.Linear(6, 6)),
         parametrizations.weight_norm(nn.Linear(6, 6)),
+        parametrizations.orthogonal(nn.Linear(6, 6)),  # a buffer of its own ('base'), never updated
     )
 
 
@@ -175,9 +178,9 @@ def _stateful_blocks():
 def test_blocks_whose_forward_updates_their_state_are_not_checkpointed():
     """A recomputed forward would update a block's own state twice: after two training steps, the checkpointed
     model's buffers (running statistics, spectral norm's vectors) and gradients equal the plain model's; the start
-    line names the blocks left alone; weight_norm (no state) is checkpointed. Broken on purpose: _keeps_statistics
-    seeing BatchNorm alone (as before a review) fails it (InstanceNorm's running mean); without the parametrizations'
-    check, spectral norm's u."""
+    line names the blocks left alone; weight_norm and orthogonal (a constant buffer) are checkpointed. Broken on
+    purpose: _keeps_statistics seeing BatchNorm alone (as before a review) fails it (InstanceNorm's running mean);
+    without the parametrizations' check, spectral norm's u."""
     from ddp_tricks import activations
 
     plain, checkpointed = _stateful_blocks(), _stateful_blocks()
@@ -192,9 +195,10 @@ def test_blocks_whose_forward_updates_their_state_are_not_checkpointed():
         assert torch.equal(a, b), name
     for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-7, rtol=0), name
-    assert chosen == [checkpointed[3]]
+    assert chosen == [checkpointed[3], checkpointed[4]]
     line = activations.describe(checkpointed, units, "full")
-    assert line.endswith("; not '0', '1', '2' (their running statistics would update twice)"), line
+    why = "a recomputed forward would update their running statistics or spectral norm's vectors twice"
+    assert line.endswith(f"; not '0', '1', '2' ({why})"), line
 
 
 @pytest.mark.timeout(300)
