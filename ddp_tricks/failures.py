@@ -51,6 +51,7 @@ def bug(error: BaseException, flags, rank: int) -> int:
     """Anything else, with a process group: the first rank that fails shows its traceback, or says that another
     process of the job is gone (its own error is then only the echo of that), and the others end quietly. Without
     a group it is raised as it is. A DataLoader worker that died is no bug of the run's: one line (worker_died)."""
+    workers.stop_watching_children()  # first: torch's SIGCHLD handler would raise in the middle of this
     lost_worker = workers.died(error)
     if lost_worker is not None:
         return worker_died(lost_worker, flags, rank)

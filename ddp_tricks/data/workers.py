@@ -32,6 +32,8 @@ import re
 import signal
 import sys
 import threading
+import time
+import traceback
 import weakref
 
 from torch.utils.data import DataLoader
@@ -109,15 +111,48 @@ def _killed_by(pids: set[int]) -> str | None:
     return None
 
 
-def died(error: BaseException) -> str | None:
+def died(error: BaseException, wait: float = 2.0) -> str | None:
     """What a DataLoader error says of a worker that died (its process id, and the signal that killed it), in a
-    sentence; None for any other error (an exception raised in a worker, a transform's bug, keeps its traceback)."""
+    sentence; None for any other error (an exception raised in a worker, a transform's bug, keeps its traceback).
+    A connection lost while fetching a batch from a worker (the worker died mid-handshake: ConnectionResetError,
+    EOFError) is such an error where a worker of this rank is found ended within `wait` seconds."""
     found = _DIED.search(str(error)) if isinstance(error, RuntimeError) else None
     if found is None:
-        return None
+        return _lost_in_a_fetch(error, wait) if isinstance(error, (ConnectionError, EOFError)) else None
     pids, signal_name = found[1].strip().rstrip(","), found[3]
     if not signal_name:  # torch found it gone before its SIGCHLD handler said how: the process knows
         signal_name = _killed_by({int(pid) for pid in pids.split(",")})
-    how = f"was killed by signal {signal_name.strip()}" if signal_name else f"exited unexpectedly{found[4] or ''}"
+    return _sentence(pids, signal_name, found[4] or "")
+
+
+def _sentence(pids: str, signal_name: str | None, exit_code: str) -> str:
+    how = f"was killed by signal {signal_name.strip()}" if signal_name else f"exited unexpectedly{exit_code}"
     why = " (SIGKILL: the out-of-memory killer, most often)" if signal_name and "Killed" in signal_name else ""
     return f"a DataLoader worker of this rank (pid {pids}) {how}{why}"
+
+
+def _lost_in_a_fetch(error: BaseException, wait: float) -> str | None:
+    """The sentence for a worker that ended, where `error` came from receiving a batch (torch's rebuild of a
+    tensor shared by file descriptor, in multiprocessing's connection to the worker); None otherwise."""
+    files = [frame.f_code.co_filename.replace(os.sep, "/") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    if not any("torch/multiprocessing/reductions.py" in f or "torch/utils/data/" in f for f in files):
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        for batches in list(_ITERATORS):
+            for process in getattr(batches, "_workers", ()):
+                code = process.exitcode  # polls: None while it runs
+                if code is not None and code != 0:
+                    name = signal.strsignal(-code) if code < 0 else None
+                    return _sentence(str(process.pid), name, f" with exit code {code}" if code > 0 else "")
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def stop_watching_children() -> None:
+    """torch's SIGCHLD handler raises a worker's death in the main thread wherever it is, and a failure being
+    reported (a lost fetch's connection error, say) is then cut by a second error's traceback (seen: the CI's
+    SIGKILL test once in a few runs): the rank is ending, its reporting is not interrupted."""
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
