@@ -126,6 +126,19 @@ class ReinitialisedAtTheEnd(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
 
+class SizedByAProbe(nn.Module):
+    """A head sized by a probe forward in the constructor, on a channels-last input: the CPU lays the convolution's
+    result out channels-last, the meta device contiguous, and only its shape reaches a parameter (a review: the
+    layout check's first form made ConvNeXt-style probes fall back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+        with torch.no_grad():
+            probe = self.features(torch.zeros(1, 3, 12, 12).contiguous(memory_format=torch.channels_last))
+        self.head = nn.Linear(probe.flatten(1).shape[1], 4)
+
+
 MODELS = {
     "language model": lambda: _task(LM).model(),
     "language model, tied": lambda: _task([*LM, "--tie-weights"]).model(),
@@ -135,6 +148,7 @@ MODELS = {
     "constructor zoo": Zoo,
     "initialised again at the end": ReinitialisedAtTheEnd,
     "writes of every kind": WritesAnyWay,
+    "a probe forward laid out otherwise": SizedByAProbe,
 }
 
 
@@ -314,6 +328,18 @@ class LowRank(nn.Module):
         self.b = nn.Parameter(vh[:2].clone())
 
 
+class NormedByAProbe(nn.Module):
+    """A probe forward in training mode: BatchNorm's running statistics follow from a convolution the CPU lays out
+    channels-last (its sums in another order than the replay's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+        with torch.no_grad():
+            self.features(torch.randn(2, 3, 12, 12).contiguous(memory_format=torch.channels_last))
+        self.head = nn.Linear(8, 4)
+
+
 class DrawsEverywhere(nn.Module):
     """Draws from Python's and numpy's generators, then falls back: the plain build must start from their states
     before the meta attempt, as torch's does."""
@@ -349,10 +375,8 @@ FALLBACKS = {
         RestoresGeneratorState,
         "random state itself (torch.default_generator.set_state)",
     ),
-    "a layout of the CPU's own": (
-        LowRank,
-        "(RuntimeError: aten._linalg_svd.default lays its result out with strides (1, 4) on the CPU, (4, 1)",
-    ),
+    "a layout of the CPU's own": (LowRank, "'b' follows from a result the CPU lays out otherwise: _linalg_svd.default"),
+    "statistics from a layout of the CPU's own": (NormedByAProbe, "'features.1.running_mean' follows from a result"),
     "a record that does not replay": (Resizes, "its record does not replay on the CPU (RuntimeError: setStorage"),
 }
 
@@ -362,7 +386,10 @@ def test_a_model_the_record_cannot_stand_for_is_built_plainly_and_said(make, sai
     """Where the record could not give the plain build's weights, the plain build itself, from the same random
     states (torch's, Python's, numpy's), and a line that names the reason. Broken on purpose: plain() resetting
     torch's state alone fails 'random numbers of Python and numpy' (the build ran twice: other draws after); no check
-    of the replay's layouts fails 'a layout of the CPU's own' (built on the meta device, its 'b' silently other)."""
+    of the replay's layouts fails 'a layout of the CPU's own' (built on the meta device, its 'b' silently other);
+    the layouts checked but nothing marked as following from them fails 'statistics from a layout of the CPU's own'.
+    And the first form of the check (raise at any layout that differs) failed 'a probe forward laid out otherwise'
+    in the test above."""
     random.seed(0), np.random.seed(0)
     plain, drawn = _plain(make)
     host = random.random(), np.random.rand()
@@ -623,3 +650,28 @@ def test_under_a_profiler_of_c_s_the_model_is_built_plainly_and_the_profiler_goe
         profiler.disable()
     assert recipe is None and "a profiler holds the profile hook" in line, line
     assert still is profiler
+
+
+class SparseGraph(nn.Module):
+    """A graph convolution over a sparse adjacency (torch.sparse.mm), as a GCN's batch carries it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(100, 100)
+
+    def forward(self, x, adjacency):
+        return torch.sparse.mm(adjacency, self.lin(x))
+
+
+def test_the_stand_in_s_saved_tensors_may_be_sparse_or_nan():
+    """What autograd saves in a check on the stand-in: a sparse tensor kept as it is (no reshape for sparse
+    tensors), a tensor of NaN (weight_norm's 0/0) kept as one value, as zeros are. Broken on purpose: _pack without
+    its layout guard fails the backward (NotImplementedError, aten::eq on sparse; a review found reshape's)."""
+    torch.manual_seed(0)
+    model, recipe, _ = meta_init.build(SparseGraph)
+    adjacency = torch.eye(100).to_sparse()
+    with meta_init.checkable(model, recipe):
+        model(torch.ones(100, 100), adjacency).sum().backward()
+    nan = torch.full((70, 70), float("nan"))
+    assert meta_init._pack(adjacency) is adjacency and isinstance(meta_init._pack(nan), tuple)
+    assert meta_init._unpack(meta_init._pack(nan)).isnan().all()

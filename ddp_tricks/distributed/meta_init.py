@@ -70,14 +70,26 @@ class Recipe:
         first use, where none) and freed after its last use; an op whose result a later overwrite discards, and that
         nothing reads, runs on a scratch tensor freed at once (its random draws still made): a constructor that
         initialises every module again at its end (`self.apply(init)`) holds one or two tensors at a time. The
-        random generator is left where the plain build leaves it. Returns the most bytes held at once."""
+        random generator is left where the plain build leaves it. Returns the most bytes held at once.
+
+        Where the CPU lays a result out otherwise than the meta device did (linalg.svd's Vh; a convolution of a
+        channels-last input), it is copied into the meta layout, so that the record's views read the same elements,
+        and what follows from it is marked: the plain build computed it from the other layout (other rounding,
+        random numbers in another memory order). A parameter or buffer that follows from one raises: build() falls
+        back. A dummy forward that only sizes a layer (its result's shape) stays exact."""
         last, kill, read = self._lifetimes()
         live: dict[int, torch.Tensor] = {}
         pending: dict[int, Ref] = {}  # made without values (torch.empty), not yet needed
+        other: dict[int, str] = {}  # a storage that follows from a result laid out otherwise: the op that made it
         peak = 0
         torch.set_rng_state(self.rng)
         with torch.no_grad():
             for i, op in enumerate(self.ops):
+                source = next((other[r.storage] for r in _refs(op) if r.storage in other and r not in op.made), None)
+                if source is not None:  # what it writes or makes follows from the other layout too
+                    undeclared = op.args[3:5] if "native_batch_norm" in str(op.call) else ()  # running statistics
+                    written = [*op.writes, *(r.storage for r in (*op.made, *undeclared) if isinstance(r, Ref))]
+                    other.update((storage, source) for storage in written if storage not in other)
                 if op.made and not op.values:
                     pending.update((ref.storage, ref) for ref in op.made)
                     continue
@@ -97,10 +109,9 @@ class Recipe:
                     fresh = [t for t in made if _storage(t) not in given]
                     for ref, t in zip(op.made, fresh):
                         if (t.shape, t.stride(), t.storage_offset()) != (ref.size, ref.stride, ref.offset):
-                            raise RuntimeError(  # the record's views of it would read other elements
-                                f"{op.call} lays its result out with strides {t.stride()} on the CPU, {ref.stride} on "
-                                "the meta device"
-                            )
+                            layouts = f"strides {t.stride()} on the CPU, {ref.stride} on the meta device"
+                            t = ref.empty().copy_(t)  # the record's views of it read the same elements
+                            other.setdefault(ref.storage, f"{op.call.__name__} ({layouts})")
                         if i < kill.get(ref.storage, -1) and not read.get(ref.storage, False):
                             pending[ref.storage] = ref  # overwritten before it is read: its values are not kept
                         else:
@@ -110,6 +121,11 @@ class Recipe:
                 held = scratch = args = kwargs = made = alive = None  # the scratch tensors go now
                 for storage in [s for s in live if last.get(s, -1) <= i]:
                     base = live.pop(storage)
+                    if storage in other and self.names.get(storage):
+                        raise RuntimeError(
+                            f"{self.names[storage][0]!r} follows from a result the CPU lays out otherwise: "
+                            f"{other[storage]}"
+                        )
                     for name in self.names.get(storage, ()):
                         if keep is None or name in keep:
                             finish(name, base)
@@ -210,7 +226,7 @@ def _recorded(make, rng: torch.Tensor, host: tuple) -> tuple[nn.Module, Recipe, 
     try:  # a first replay: the buffers' values, for the checks; the random state left where the plain build leaves it
         peak = recipe.replay(lambda n, t: recipe.buffers.__setitem__(n, _as_view(t, recipe.shapes[n]).clone()), owned)
     except Exception as error:  # an op the record keeps but cannot repeat on the CPU (resize_ of an empty tensor)
-        return f"its record does not replay on the CPU ({type(error).__name__}: {str(error)[:120]})"
+        return f"its record does not replay on the CPU ({type(error).__name__}: {str(error)[:200]})"
     words = "built on the meta device and materialised per shard (the plain build's initial weights; the replay"
     return model, recipe, f"{words} holds {peak / 2**20:.1f} MiB at most)"
 
@@ -278,10 +294,13 @@ def _pack(t: torch.Tensor):
     """What autograd keeps for the backward of a check on the stand-in: a tensor of one value (a weight made
     contiguous for a matrix product, activations of constant weights) as its shape and value alone, so that a
     backward through the whole model holds no more than one layer's tensors at a time."""
-    if t.numel() <= 4096 or t.is_meta:  # the FLOPs' count runs a meta copy in here too
+    if t.numel() <= 4096 or t.is_meta or t.layout != torch.strided or t.is_nested:  # the FLOPs' meta copy; sparse
         return t
-    first = t.reshape(-1)[:1]
-    return (t.shape, first.clone()) if t.eq(first).all() else t
+    first = t[(0,) * t.dim()]
+    same = t.eq(first)
+    if first.isnan():  # weight_norm's 0/0 on zeros: NaN everywhere
+        same = t.isnan()
+    return (t.shape, first.clone()) if same.all() else t
 
 
 def _unpack(packed):

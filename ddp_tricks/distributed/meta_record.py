@@ -57,6 +57,7 @@ class Op:
     values: bool = True  # whether what it makes has values (not torch.empty)
     written: Ref | None = None  # the one tensor it writes in place, its first argument (None: none, or others)
     overwrites: bool = False  # it writes all of that tensor's storage, reading none of it (uniform_, fill_)
+    writes: tuple = ()  # the storages it writes in place
 
 
 class Record(TorchDispatchMode):
@@ -105,6 +106,7 @@ class Record(TorchDispatchMode):
         if len(writes) == 1 and first is not None and not op.made and storage(writes[0]) == first.storage:
             op.written = first
             op.overwrites = (name in OVERWRITES or op.call in self.inits) and first.whole
+        op.writes = tuple(storage(t) for t in writes)
         self.ops.append(op)
         self.written |= {storage(t) for t in writes} | ({r.storage for r in op.made} if op.values else set())
 
