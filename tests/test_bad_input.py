@@ -88,6 +88,15 @@ CASES = {
         "--pack is a flag of the task examples/language_model.py:PythonSourceLM: give --task examples/language_",
     ),
     "an example task's flag close to a run's": (["--max-length", "64"], "--max-length is a flag of the task examples"),
+    "a flag of several example tasks": (
+        ["--width", "3"],
+        "--width is a flag of the tasks examples/byol.py:BYOL, examples/contrastive.py:SimCLR, examples/language_model"
+        ".py:PythonSourceLM: give --task with one of them",
+    ),
+    "a flag another task lacks": (
+        ["--task", "examples/regression.py:Diabetes", "--width", "3"],
+        "unrecognized arguments: --width 3; did you mean --wd?",  # the user's task named: no example's said
+    ),
     "checkpointing mode unknown": (["--activation-checkpointing", "foo"], "must be none, full, ops or a positive"),
     "checkpointing every 0th block": (["--activation-checkpointing", "0"], "integer K (every K-th block), got '0'"),
     "checkpointing a digit int() refuses": (["--activation-checkpointing", "\u00b2"], "block), got '\u00b2'"),

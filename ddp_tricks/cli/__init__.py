@@ -81,6 +81,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
     parser = build_parser()
     if hasattr(task_class, "add_arguments"):
         task_class.add_arguments(parser)
+    parser.default_task = task_spec == DEFAULT_TASK  # an example's flag without its --task is explained
     if task_spec != DEFAULT_TASK:  # so that --dataset with another task is explained, not "did you mean"
         builtin = argparse.ArgumentParser(add_help=False)
         load_task(DEFAULT_TASK).add_arguments(builtin)

@@ -54,32 +54,38 @@ def load_task(spec: str) -> type:
     return task_class
 
 
-def example_owning(flag: str) -> str | None:
-    """The example task (`examples/FILE.py:NAME`) that adds `flag` to the command line, if one does: a task's flag
-    given without its --task is said as such, not matched to a flag of the run's (--max-length is no --max-steps).
-    Only the files that name the flag are loaded; on this error path alone."""
+def examples_owning(flag: str) -> list[str]:
+    """The example tasks (`examples/FILE.py:NAME`) that add `flag` to the command line: a task's flag given without
+    its --task is said as such, not matched to a flag of the run's (--max-length is no --max-steps). Only the files
+    that name the flag are loaded, on this error path alone, and what they imported beside them is forgotten."""
     import argparse
 
-    for path in sorted((REPO / "examples").glob("*.py")):
-        if f'"{flag}"' not in path.read_text():
-            continue
-        module_spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            sys.path.append(str(path.parent))
-            module_spec.loader.exec_module(module)
-        except Exception:  # an example that does not import here (a missing extra): it names no flag then
-            continue
-        finally:
-            sys.path.remove(str(path.parent))
-        for name, task_class in vars(module).items():
-            if isinstance(task_class, type) and task_class.__module__ == module.__name__:
-                if callable(getattr(task_class, "add_arguments", None)):
-                    parser = argparse.ArgumentParser(add_help=False)
-                    task_class.add_arguments(parser)
-                    if any(flag in action.option_strings for action in parser._actions):
-                        return f"examples/{path.name}:{name}"
-    return None
+    owners, folder = [], str(REPO / "examples")
+    before = set(sys.modules)
+    sys.path.append(folder)
+    try:
+        for path in sorted((REPO / "examples").glob("*.py")):
+            if f'"{flag}"' not in path.read_text():
+                continue
+            module_spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception:  # an example that does not import here (a missing extra): it names no flag then
+                continue
+            for name, task_class in vars(module).items():
+                if isinstance(task_class, type) and task_class.__module__ == module.__name__:
+                    if callable(getattr(task_class, "add_arguments", None)):
+                        parser = argparse.ArgumentParser(add_help=False)
+                        task_class.add_arguments(parser)
+                        if any(flag in action.option_strings for action in parser._actions):
+                            owners.append(f"examples/{path.name}:{name}")
+    finally:
+        sys.path.remove(folder)
+        for name in set(sys.modules) - before:  # the examples' own modules (contrastive, imported by byol)
+            if str(getattr(sys.modules[name], "__file__", "") or "").startswith(folder):
+                del sys.modules[name]
+    return owners
 
 
 def monitored_metric(task_class: type, flag: str | None, ema: bool = False) -> str:
