@@ -581,7 +581,8 @@ def test_checks_that_fail_on_zeros_run_again_on_a_constant_before_their_error_is
     """weight_norm divides by the weights' norm: on the stand-in of zeros its output is NaN (0/0), and a check that
     rejects it (BCE's "all elements of input should be between 0 and 1", a review's task) would fail a valid model.
     checked() runs the check again on a constant 0.01, from the random states of the first try; a check that fails
-    there too raises its error. Broken on purpose: checked() without the second try fails it (the UserError)."""
+    there too raises its error; so does the model's own error on zeros (a Normal of scale 0). Broken on purpose:
+    checked() without the second try fails it (the UserError); retrying UserErrors alone, the ValueError."""
     from ddp_tricks.errors import UserError
 
     torch.manual_seed(0)
@@ -605,6 +606,12 @@ def test_checks_that_fail_on_zeros_run_again_on_a_constant_before_their_error_is
 
     with pytest.raises(UserError, match="a real mistake"):
         meta_init.checked(model, recipe, refuses)
+
+    def samples(m):  # the model's own error on zeros: a Normal of scale 0 (torch's ValueError), fine on 0.01
+        scale = m.lin.parametrizations.weight.original0.reshape(-1)[0]
+        return torch.distributions.Normal(0.0, scale.abs()).sample().shape
+
+    assert meta_init.checked(model, recipe, samples) == ()
 
 
 class LoadsAFile(nn.Module):

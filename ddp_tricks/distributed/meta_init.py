@@ -18,9 +18,9 @@ plus the few whole tensors in flight.
 Where the record cannot stand for the build, the model is built plainly on the CPU and the start line says why,
 naming what: an op the meta device cannot run (a value read during the build), tensors made on another device
 (weights loaded from a file: the record stops at the first such op, and what it held is freed before the plain
-build), random numbers drawn outside the record, lazy modules, a parameter whose initialisation was not seen, an op
-whose CPU result is laid out otherwise than its meta one (linalg.svd's Vh: the record's views would read other
-elements). The plain build starts from the random states the meta one started from (torch's, Python's, numpy's).
+build), random numbers drawn outside the record, lazy modules, a parameter whose initialisation was not seen, a
+parameter or buffer that follows from an op whose CPU result is laid out otherwise than its meta one (linalg.svd's
+Vh; BatchNorm statistics from a channels-last probe forward: Recipe.replay). The plain build starts from the random states the meta one started from (torch's, Python's, numpy's).
 
 build() replays the record once: the buffers' values, and the random generator left where the plain build leaves it
 (what is drawn after the build is the same; a record that does not replay falls back here). Before the process
@@ -48,7 +48,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ddp_tricks.distributed.meta_record import OFF_META, Constants, OffMeta, Op, Record, Ref, watching
 from ddp_tricks.distributed.meta_record import storage as _storage
-from ddp_tricks.errors import UserError
 
 T = TypeVar("T")
 
@@ -244,14 +243,15 @@ def plain(make, recipe: Recipe, why: str) -> tuple[nn.Module, None, str]:
 def checked(model: nn.Module, recipe: Recipe | None, check: Callable[[nn.Module], T]) -> T:
     """`check(model)` (the start-up checks) on the meta-device model's stand-in of zeros; where they fail there,
     once more on a stand-in of a constant 0.01, from the same random states, before their error is said: zeros are
-    no model's weights (weight_norm divides by their norm: 0/0). A plain build (no recipe): `check(model)`."""
+    no model's weights (weight_norm divides by their norm: 0/0; a Normal of scale 0 raises). A mistake in the flags
+    is then found twice: the error path alone pays. A plain build (no recipe): `check(model)`."""
     if recipe is None:
         return check(model)
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()
     try:
         with checkable(model, recipe):
             return check(model)
-    except UserError:
+    except Exception:  # a check's one line, or the model's own error on zeros (Normal(0, scale) with scale 0)
         torch.set_rng_state(states[0])
         random.setstate(states[1])
         np.random.set_state(states[2])
