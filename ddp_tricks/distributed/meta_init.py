@@ -20,7 +20,8 @@ naming what: an op the meta device cannot run (a value read during the build), t
 (weights loaded from a file: the record stops at the first such op, and what it held is freed before the plain
 build), random numbers drawn outside the record, lazy modules, a parameter whose initialisation was not seen, a
 parameter or buffer that follows from an op whose CPU result is laid out otherwise than its meta one (linalg.svd's
-Vh; BatchNorm statistics from a channels-last probe forward: Recipe.replay). The plain build starts from the random states the meta one started from (torch's, Python's, numpy's).
+Vh; BatchNorm statistics from a channels-last probe forward: Recipe.replay). The plain build starts from the random
+states the meta one started from (torch's, Python's, numpy's).
 
 build() replays the record once: the buffers' values, and the random generator left where the plain build leaves it
 (what is drawn after the build is the same; a record that does not replay falls back here). Before the process
