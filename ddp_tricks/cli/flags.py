@@ -9,7 +9,7 @@ import difflib
 
 from ddp_tricks import optim, schedules
 from ddp_tricks.cli.step_flags import add_step_flags
-from ddp_tricks.cli.tasks import DEFAULT_TASK, examples_owning
+from ddp_tricks.cli.tasks import DEFAULT_TASK, example_hint
 from ddp_tricks.errors import UserError
 
 
@@ -32,11 +32,9 @@ class Parser(argparse.ArgumentParser):
             flag = token.split("=", 1)[0]
             if flag in getattr(self, "builtin_task_flags", ()):
                 return f"; {flag} is a flag of the built-in task (task.py), and --task names another"
-            owners = examples_owning(flag) if getattr(self, "default_task", False) and flag.startswith("--") else []
-            if owners:  # the built-in task runs: a flag of an example's, given without its --task
-                if len(owners) == 1:
-                    return f"; {flag} is a flag of the task {owners[0]}: give --task {owners[0]}"
-                return f"; {flag} is a flag of the tasks {', '.join(owners)}: give --task with one of them"
+            hint = example_hint(flag) if getattr(self, "default_task", False) else None
+            if hint:  # the built-in task runs: a flag of an example's, given without its --task
+                return f"; {hint}"
             if flag.startswith("-") and len(flag) > 2:
                 # suggest the dashed spellings; the original projects' snake_case ones only to snake_case
                 candidates = known if "_" in flag else [option for option in known if "_" not in option]

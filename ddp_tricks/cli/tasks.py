@@ -88,6 +88,14 @@ def examples_owning(flag: str) -> list[str]:
     return owners
 
 
+def example_hint(flag: str) -> str | None:
+    """What to say of `flag`, unknown to the built-in task's run, where examples have it (examples_owning)."""
+    owners = examples_owning(flag) if flag.startswith("--") else []
+    if len(owners) == 1:
+        return f"{flag} is a flag of the task {owners[0]}: give --task {owners[0]}"
+    return f"{flag} is a flag of the tasks {', '.join(owners)}: give --task with one of them" if owners else None
+
+
 def monitored_metric(task_class: type, flag: str | None, ema: bool = False) -> str:
     """The validation metric the run follows, as `val_<name>`: --monitor (`mae` or `val_mae`; with --model-ema
     (`ema`) also the EMA weights' `ema_mae`) or the task's."""
