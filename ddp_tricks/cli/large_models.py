@@ -16,8 +16,10 @@ CHECKPOINTING = ("full", "ops")  # or an integer K: every K-th block
 def checkpointing_mode(text: str) -> str | None:
     """--activation-checkpointing's value: none (None: off, the default), full, ops or a positive integer K (kept
     as text)."""
-    if text == "none" or text in CHECKPOINTING:
-        return None if text == "none" else text
+    if text == "none":
+        return None
+    if text in CHECKPOINTING:
+        return text
     try:
         every = int(text)
     except ValueError:  # also what str.isdigit() lets through and int() refuses ('²')

@@ -101,14 +101,15 @@ def _take_signals(owners: set[int]) -> None:
             os._exit(0)  # the DataLoader ends its worker: what torch's own handler does for the parent's SIGTERM
 
 
+def _ended() -> list[tuple[int, int]]:
+    """(pid, exit code) of this rank's loaders' worker processes that have ended (a signal's: a negative code)."""
+    processes = [process for batches in list(_ITERATORS) for process in getattr(batches, "_workers", ())]
+    return [(process.pid, process.exitcode) for process in processes if process.exitcode is not None]  # polls
+
+
 def _killed_by(pids: set[int]) -> str | None:
     """The signal that ended one of these worker processes, as torch names it ("Killed"), if a signal did."""
-    for batches in list(_ITERATORS):
-        for process in getattr(batches, "_workers", ()):  # torch's iterator's worker processes
-            code = process.exitcode if process.pid in pids else None
-            if code is not None and code < 0:
-                return signal.strsignal(-code)
-    return None
+    return next((signal.strsignal(-code) for pid, code in _ended() if pid in pids and code < 0), None)
 
 
 def died(error: BaseException, wait: float = 2.0) -> str | None:
@@ -139,12 +140,10 @@ def _lost_in_a_fetch(error: BaseException, wait: float) -> str | None:
         return None
     deadline = time.monotonic() + wait
     while True:
-        for batches in list(_ITERATORS):
-            for process in getattr(batches, "_workers", ()):
-                code = process.exitcode  # polls: None while it runs
-                if code is not None and code != 0:
-                    name = signal.strsignal(-code) if code < 0 else None
-                    return _sentence(str(process.pid), name, f" with exit code {code}" if code > 0 else "")
+        for pid, code in _ended():
+            if code != 0:
+                name = signal.strsignal(-code) if code < 0 else None
+                return _sentence(str(pid), name, f" with exit code {code}" if code > 0 else "")
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)

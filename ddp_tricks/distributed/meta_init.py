@@ -59,7 +59,6 @@ class Recipe:
 
     ops: list[Op]
     rng: torch.Tensor
-    host: tuple = ()  # Python's and numpy's random states before the build: a plain build again starts from them
     names: dict[int, list[str]] = field(default_factory=dict)  # a storage -> the parameters and buffers it holds
     shapes: dict[str, tuple] = field(default_factory=dict)  # a name -> its size, strides, offset and dtype as built
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers' values, from the first replay
@@ -167,14 +166,25 @@ def _real(x, live: dict):
 def build(make: Callable[[], nn.Module]) -> tuple[nn.Module, Recipe | None, str]:
     """`make()` (the task's model()) on the meta device, recorded: the model, the recipe that materialises it and
     the start line's words. Where the record cannot stand for the plain build: `make()` on the CPU, None, and why."""
-    rng, host = torch.get_rng_state(), (random.getstate(), np.random.get_state())
+    states = _random_states()
     if sys.getprofile() is not None and not callable(sys.getprofile()):
-        return plain(make, Recipe([], rng, host), "a profiler holds the profile hook (cProfile's): nn.init unseen")
-    recorded = _recorded(make, rng, host)  # what the try held (a file's weights) is freed by here
-    return recorded if not isinstance(recorded, str) else plain(make, Recipe([], rng, host), recorded)
+        return plain(make, states, "a profiler holds the profile hook (cProfile's): nn.init unseen")
+    recorded = _recorded(make, states[0])  # what the try held (a file's weights) is freed by here
+    return recorded if not isinstance(recorded, str) else plain(make, states, recorded)
 
 
-def _recorded(make, rng: torch.Tensor, host: tuple) -> tuple[nn.Module, Recipe, str] | str:
+def _random_states() -> tuple:
+    """What a build draws from: torch's CPU random state, Python's and numpy's."""
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _set_random_states(states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+
+
+def _recorded(make, rng: torch.Tensor) -> tuple[nn.Module, Recipe, str] | str:
     """build()'s model, recipe and words, or why the record cannot stand for the plain build."""
     record = Record()
     try:
@@ -218,7 +228,7 @@ def _recorded(make, rng: torch.Tensor, host: tuple) -> tuple[nn.Module, Recipe, 
             f"{unset[0]!r} gets no values while it is built (left as torch.empty made it: the plain build's values "
             "would be whatever memory held)"
         )
-    recipe = Recipe(record.ops, rng, host)
+    recipe = Recipe(record.ops, rng)
     for name, t in tensors:
         recipe.names.setdefault(_storage(t), []).append(name)
         recipe.shapes[name] = (t.shape, t.stride(), t.storage_offset(), t.dtype)
@@ -231,13 +241,10 @@ def _recorded(make, rng: torch.Tensor, host: tuple) -> tuple[nn.Module, Recipe, 
     return model, recipe, f"{words} holds {peak / 2**20:.1f} MiB at most)"
 
 
-def plain(make, recipe: Recipe, why: str) -> tuple[nn.Module, None, str]:
-    """`make()` on the CPU from the random states the meta build started from (torch's, Python's, numpy's): the
-    plain build, said with `why`."""
-    torch.set_rng_state(recipe.rng)
-    if recipe.host:
-        random.setstate(recipe.host[0])
-        np.random.set_state(recipe.host[1])
+def plain(make, states: tuple, why: str) -> tuple[nn.Module, None, str]:
+    """`make()` on the CPU from the random states the meta build started from (`states`: torch's, Python's,
+    numpy's): the plain build, said with `why`."""
+    _set_random_states(states)
     return make(), None, f"built whole on the CPU, not on the meta device: {why}"
 
 
@@ -248,14 +255,12 @@ def checked(model: nn.Module, recipe: Recipe | None, check: Callable[[nn.Module]
     is then found twice: the error path alone pays. A plain build (no recipe): `check(model)`."""
     if recipe is None:
         return check(model)
-    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    states = _random_states()
     try:
         with checkable(model, recipe):
             return check(model)
     except Exception:  # a check's one line, or the model's own error on zeros (Normal(0, scale) with scale 0)
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
+        _set_random_states(states)
     with checkable(model, recipe, value=0.01):
         return check(model)
 
