@@ -92,17 +92,18 @@ def run(flags, task, process: launch.Launch) -> int:
         process, flags.device, flags.backend, flags.dist_timeout, flags.strategy == "fsdp", flags.sigterm_grace
     )
     t = build_training(flags, task, model, found, plan, dist, recipe)
-    t.parts["step_log"] = rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # a checkpoint part
+    t.parts["step_log"] = rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # a named part
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     collectives.require_same(
-        (t.completed_epochs, t.step_in_epoch, t.global_step),
+        (t.progress.completed_epochs, t.progress.step_in_epoch, t.progress.global_step),
         "the checkpoint each rank resumes from; put the runs folder on storage that every node shares",
     )
     folder = run_folder.RunFolder(Path(flags.run_dir), dist.is_main, run_folder.metric_columns(task, t.ema is not None))
     record = vars(flags) | plan.summary() | {"val_samples": len(val_set), "task_info": run_folder.task_info(task)}
     record["task_metrics"] = run_folder.task_metrics(task)
-    folder.start(record, t.completed_epochs, flags.overwrite, flags.tensorboard, trains, t.global_step)
+    at = t.progress
+    folder.start(record, at.completed_epochs, flags.overwrite, flags.tensorboard, trains, at.global_step)
     preemption = Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(collectives.gather_objects(os.getpid()))
     log.info(
@@ -136,23 +137,23 @@ def run(flags, task, process: launch.Launch) -> int:
 def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, rows: step_log.StepLog) -> int:
     """Epochs of train -> evaluate -> decide -> checkpoint -> log, from where the state stands; then finish."""
     train_loader, val_loader = data
-    rows.open(folder.path, t.global_step, **cli.step_sink_options(flags))  # rank 0's steps.csv, TensorBoard, W&B, bar
+    rows.open(folder.path, t.progress.global_step, **cli.step_sink_options(flags))  # rank 0's steps.csv, TB, W&B, bar
     checkpoints = checkpoint.Checkpoints(
         folder.path, t.rank == 0, flags.checkpoint_every_steps, preemption, vars(flags), flags.strategy, plan.summary()
     )
     evals = step_evaluations.StepEvaluations(flags.eval_every_steps, val_loader, folder, checkpoints, rows)
-    for epoch in range(t.completed_epochs + 1, plan.epochs + 1):
-        if plan.auto and t.step_in_epoch == 0:  # --batch-trace auto: the epoch's batch, from the noise scale
-            plan = auto_batch.grow(plan, t.noise.agreed_scale(t.units_per_sample), t.global_step, epoch)
+    for epoch in range(t.progress.completed_epochs + 1, plan.epochs + 1):
+        if plan.auto and t.progress.step_in_epoch == 0:  # --batch-trace auto: the epoch's batch, from the noise scale
+            plan = auto_batch.grow(plan, t.noise.agreed_scale(t.meter.units_per_sample), t.progress.global_step, epoch)
             checkpoints.plan = plan.summary()
-        steps = plan.epoch(epoch, t.rank, first_trace_step=t.global_step - t.step_in_epoch)
+        steps = plan.epoch(epoch, t.rank, first_trace_step=t.progress.global_step - t.progress.step_in_epoch)
         first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
-        with rows.epoch(epoch, len(steps), first_step, t.global_step, f"epoch {epoch}/{plan.epochs}"):
+        with rows.epoch(epoch, len(steps), first_step, t.progress.global_step, f"epoch {epoch}/{plan.epochs}"):
             result = loop.train_one_epoch(t, steps, train_loader, first_step, rows, evals)
         if result is None and t.stopped_early:  # --eval-every-steps: stopped mid-epoch, its checkpoint written
             break
         if result is None:
-            log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.global_step}", flags.strategy))
+            log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.progress.global_step}", flags.strategy))
             log.info(t.describe_steps())
             return failures.PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
@@ -162,7 +163,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
         folder.append(row)
         checkpoints.save(t, also_best=improved)
         if plan.auto and t.rank == 0:  # the batches chosen so far: --batch-trace FILE replays them
-            auto_batch.write(plan, t.global_step, folder.path)
+            auto_batch.write(plan, t.progress.global_step, folder.path)
         log.info(run_folder.epoch_line(row, t.stopped_early))
         if t.stopped_early:
             break
@@ -172,7 +173,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
             return failures.PREEMPTED
     if t.rank == 0:
         heartbeat.phase("figures")  # long work on rank 0 alone: not a hang
-        plots.curves(folder.path, t.lr_log, plan.steps_per_epoch)
+        plots.curves(folder.path, [], plan.steps_per_epoch)
     log.info(t.describe_steps())
     log.info(t.best.describe(folder.path))
     return 0
@@ -264,7 +265,6 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         ema=ema,
         epochs=plan.epochs,
         accumulation=found.accumulation,
-        global_loss=found.global_loss,
         noise=noise,
         noise_parts=noise_parts,
         sum_shapes=found.sum_shapes,

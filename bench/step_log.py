@@ -68,11 +68,11 @@ def measure(rank: int, world_size: int, args, port: int, results) -> None:
     for repeat in range(args.repeats + 1):  # the first round warms up
         for name, log in logs.items() if repeat % 2 else reversed(logs.items()):
             epoch += 1
-            t.completed_epochs, t.step_in_epoch = epoch - 1, 0  # each its own whole epoch
+            t.progress.completed_epochs, t.progress.step_in_epoch = epoch - 1, 0  # each its own whole epoch
             steps = the_plan.epoch(epoch, rank)
             first = start_epoch(t, epoch, loader, steps, 0)
             start = time.perf_counter()
-            with log.epoch(epoch, len(steps), first, t.global_step):
+            with log.epoch(epoch, len(steps), first, t.progress.global_step):
                 train_one_epoch(t, steps, loader, first, log)
             if repeat:
                 seconds[name].append((time.perf_counter() - start) / len(steps))

@@ -371,7 +371,7 @@ def test_engine_training_step_makes_no_host_sync_between_logging_intervals():
     seen = []
 
     def after_step(t):
-        done = t.step_in_epoch
+        done = t.progress.step_in_epoch
         seen.append(done)
         torch.cuda.set_sync_debug_mode("error" if 2 <= done < 11 else 0)
         return False
@@ -434,7 +434,7 @@ def test_a_step_makes_exactly_its_documented_host_syncs_on_cuda(amp, on_nonfinit
             torch.cuda.set_sync_debug_mode(0)
     assert syncs[1:] == [per_step] * (len(steps) - 1)
     skipped = {None: 0, "overflow": len(steps), "nan": 1}[trouble]
-    assert t.skipped_steps == skipped and t.global_step == len(steps)
+    assert t.progress.skipped_steps == skipped and t.progress.global_step == len(steps)
 
 
 @cuda_test
@@ -542,7 +542,8 @@ def lstm_gradients_cached_and_plain(device: torch.device):
     with torch.no_grad():
         model(batches[0][0])  # cuDNN's dropout state drawn and cached, as after any earlier step
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    t.device, t.precision, t.task, t.sum_names = device, Precision("off", device), Regress(), []
+    t.device, t.precision = device, Precision("off", device)
+    tiny.retask(t, Regress(), [])
     start = rng_now(device)
     list(cached.cached_accumulation(t, Step([[0] * 8, [0] * 8], 16, 16), iter(batches), None))
 

@@ -198,7 +198,7 @@ def _evaluate(rank, world, task, batch, sharded=False, together=None):
 
         model = fsdp.shard(model, [model[0], model[2]])
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=rank, world_size=world)
-    t.task, t.sum_names = task, ["spread"]
+    tiny.retask(t, task, ["spread"])
     loader = loaders.val_loader(_data(), batch, rank, world, tiny.CPU)
     if together is not None:
         loader = tiny.together_loader(_data(), *together)

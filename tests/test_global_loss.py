@@ -240,8 +240,8 @@ def _simclr_training(rank_, world, micro_batch, accum_steps, accumulation, shard
     steps = the_plan.epoch(1, rank_)
     if samples is None:
         assert len(steps) == STEPS and the_plan.global_batch == GLOBAL_BATCH
-    t = tiny.training(model, optimizer, rank=rank_, world_size=world, accumulation=accumulation, global_loss=True)
-    t.task, t.sum_names = task, ["top1", "probe"]
+    t = tiny.training(model, optimizer, rank=rank_, world_size=world, accumulation=accumulation)
+    tiny.retask(t, task, ["top1", "probe"])
     result = loop.train_one_epoch(t, steps, tiny.loader_for(train, steps, rank_))
     weights = {k: (v.full_tensor() if sharded else v).clone() for k, v in t.raw_model.state_dict().items()}
     return weights, result["train_loss"]
@@ -279,7 +279,7 @@ def _uneven_evaluation(rank_, world, val_batch, together=None):
     model.eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     t = tiny.training(model, optimizer, rank=rank_, world_size=world)
-    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    tiny.retask(t, task, ["top1", "probe"])
     loader = loaders.val_loader(extra, val_batch, rank_, world, tiny.CPU)
     if together is not None:
         loader = tiny.together_loader(extra, *together)
@@ -445,7 +445,7 @@ def test_single_process_evaluation_is_the_plain_nt_xent_of_each_batch():
     torch.manual_seed(1)
     model = task.model().eval()
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    tiny.retask(t, task, ["top1", "probe"])
     got = loop.evaluate(t, loaders.val_loader(data, 10, 0, 1, tiny.CPU))
     losses, top1 = [], 0
     with torch.no_grad():
@@ -503,7 +503,7 @@ def test_simclr_example_trains_on_2_ranks_with_lars_cached_accumulation_and_an_u
     model = task.model()
     model.load_state_dict(torch.load(tmp_path / "simclr" / "last.pt", weights_only=True)["model"])
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    tiny.retask(t, task, ["top1", "probe"])
     one = loop.evaluate(t, tiny.together_loader(val, 2, 60))  # global batches of 120, 120 and the leftover 1
     for key in ("val_loss", "val_top1", "val_probe_acc"):
         assert float(row[key]) == pytest.approx(one[key], rel=1e-5), key
@@ -572,7 +572,7 @@ def test_simclr_with_torch_s_unpadded_all_gather_trains_on_2_ranks_with_361_vali
     model = task.model()
     model.load_state_dict(torch.load(tmp_path / "gathered" / "last.pt", weights_only=True)["model"])
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    t.task, t.sum_names, t.global_loss = task, ["top1", "probe"], True
+    tiny.retask(t, task, ["top1", "probe"])
     one = loop.evaluate(t, tiny.together_loader(val, 2, 60))  # global batches of 120, 120, 120 and the leftover 1
     for key in ("val_top1", "val_probe_acc"):
         assert float(row[key]) == pytest.approx(one[key], rel=1e-5), key

@@ -105,12 +105,14 @@ def syncs_per_step(t, trace=None, accum_steps=1, nonfinite_at=None, micro_batch=
     return counter.per_step[1:]
 
 
-def toy(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), amp="off", **options):
+def toy(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), amp="off", reduction=None, **options):
     """The default model (`toy`) and an optimizer in a Training, with a warmup schedule (a skipped step must not
-    advance it)."""
+    advance it); `reduction(params)`: a traced run's gradient reduction of the model's parameters."""
     torch.manual_seed(0)
     model = models.build("toy", 1, 10)
     opt = optimizer(model.parameters())
+    if reduction is not None:
+        options["reduction"] = reduction([p for p in model.parameters() if p.requires_grad])
     return tiny.training(model, opt, Schedule(WarmupDecay(opt, warmup_steps=100, decay_steps=0)), amp=amp, **options)
 
 
@@ -129,16 +131,16 @@ def test_a_plain_step_makes_no_host_sync(amp):
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
 def test_a_whole_log_interval_window_makes_no_host_sync_but_at_its_rows(amp):
     """Two windows of --log-interval 5 with the run's step log (training/step_log.py), its non-finite check included:
-    only steps 5 and 10 (rows) read the device; the others none (fp16: GradScaler's own read). Broken on purpose: the
-    loop's `if due:` before the check and the row as `if True:` fails it."""
+    only steps 5 and 10 (rows) read the device, once; the others none (fp16: GradScaler's own read). Broken on
+    purpose: the loop's `if due:` before the row as `if True:` fails it, and so does a non-finite check of its own."""
     scaler = ["item"] if amp == "fp16" else []
     log = StepLog(5, torch.device("cpu"))
     t = toy(amp=amp)
     steps = syncs_per_step(t, log=log, count=10)  # steps 2..10
     for step, syncs in enumerate(steps, start=2):
         if step in (5, 10):
-            # the row's read, and (without fp16's scaler, which skips non-finite steps itself) the non-finite check's
-            assert syncs.count("tolist") == (1 if amp == "fp16" else 2), (step, syncs)
+            # the row's one read, which carries the non-finite check (without fp16's scaler) and the empty steps' count
+            assert syncs.count("tolist") == 1 and "item" not in syncs[len(scaler) :], (step, syncs)
         else:
             assert syncs == scaler, (step, syncs)
 
@@ -146,14 +148,14 @@ def test_a_whole_log_interval_window_makes_no_host_sync_but_at_its_rows(amp):
 def test_an_fp16_step_makes_only_the_grad_scaler_s_own_sync():
     t = toy(amp="fp16")
     assert syncs_per_step(t) == [["item"]] * (STEPS - 1)  # GradScaler.step reads found_inf once
-    assert t.skipped_steps == 0 and t.schedule.per_step.last_epoch == STEPS
+    assert t.progress.skipped_steps == 0 and t.schedule.per_step.last_epoch == STEPS
 
 
 def test_an_fp16_step_the_scaler_skips_is_counted_and_holds_the_schedule_with_one_sync():
     t = overflowing(toy(amp="fp16"))
     before = [p.detach().clone() for p in t.model.parameters() if p.is_floating_point()]
     assert syncs_per_step(t) == [["item"]] * (STEPS - 1)
-    assert t.skipped_steps == STEPS and t.global_step == STEPS
+    assert t.progress.skipped_steps == STEPS and t.progress.global_step == STEPS
     assert t.schedule.per_step.last_epoch == 0  # no step taken: the warmup did not advance
     assert t.precision.scaler.get_scale() == 2.0 ** (60 - STEPS)
     assert all(torch.equal(a, b) for a, b in zip(before, (p for p in t.model.parameters() if p.is_floating_point())))
@@ -172,19 +174,19 @@ OPTIMIZERS = {
 def test_every_optimizer_s_fp16_step_makes_one_sync_and_a_skip_is_seen(make):
     t = toy(make, amp="fp16")
     assert syncs_per_step(t) == [["item"]] * (STEPS - 1)
-    assert t.skipped_steps == 0 and t.schedule.per_step.last_epoch == STEPS
+    assert t.progress.skipped_steps == 0 and t.schedule.per_step.last_epoch == STEPS
     t = overflowing(toy(make, amp="fp16"))
     assert syncs_per_step(t) == [["item"]] * (STEPS - 1)
-    assert t.skipped_steps == STEPS and t.schedule.per_step.last_epoch == 0
+    assert t.progress.skipped_steps == STEPS and t.schedule.per_step.last_epoch == 0
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16"])
 def test_on_nonfinite_skip_makes_one_sync_per_step_and_skips_the_bad_one(amp):
     t = toy(amp=amp, on_nonfinite="skip")
     assert syncs_per_step(t, nonfinite_at=2) == [["item"]] * (STEPS - 1)
-    assert t.skipped_steps == 1 and t.global_step == STEPS
+    assert t.progress.skipped_steps == 1 and t.progress.global_step == STEPS
     assert t.schedule.per_step.last_epoch == STEPS - 1  # the skipped step did not advance the schedule
-    assert torch.isfinite(t.epoch_sums).all()  # the bad batch was kept out of the epoch's sums
+    assert torch.isfinite(t.meter.sums).all()  # the bad batch was kept out of the epoch's sums
 
 
 def test_clipping_and_accumulation_make_no_host_sync():
@@ -209,20 +211,17 @@ def test_a_task_s_units_make_no_host_sync():
 
 
 def traced(adascale=None):
-    t = toy()
-    t.reduction = trace_reduction.TraceReduction([p for p in t.model.parameters() if p.requires_grad], 16, adascale)
-    return t
+    return toy(reduction=lambda params: trace_reduction.TraceReduction(params, 16, adascale))
 
 
 def test_an_uneven_share_s_step_makes_no_host_sync():
     """Broken on purpose: an `.item()` in TraceReduction.finish for uneven shares is counted, once a step."""
     # 64 as 4 micro-batches of 16 on 3 processes: rank 0 runs 2 a step, its gradients summed by hand (TraceReduction;
     # no process group here: its all-reduce is left out, which syncs nothing on the host either)
-    t = toy()
-    t.reduction = trace_reduction.TraceReduction([p for p in t.model.parameters() if p.requires_grad], 16, slots=4)
+    t = toy(reduction=lambda params: trace_reduction.TraceReduction(params, 16, slots=4))
     steps = syncs_per_step(t, micro_batch=16, world_size=3, run_batch=(64, 16))
     assert steps == [[]] * (STEPS - 1)
-    assert t.global_step == STEPS and t.epoch_samples == STEPS * 2 * 16  # rank 0's 2 micro-batches of every step
+    assert t.progress.global_step == STEPS and t.meter.samples == STEPS * 2 * 16  # rank 0's 2 micro-batches a step
 
 
 def test_a_traced_step_makes_no_host_sync_and_adascale_its_documented_one():

@@ -180,7 +180,7 @@ def test_measured_every_kth_step_a_run_resumed_mid_epoch_ends_bit_identical(tmp_
     """--noise-scale-every 3 on 2 ranks (45 steps an epoch), SIGTERM at step 52 (not a multiple of 3), --resume auto:
     the measured steps follow the global step, so the resumed run's noise-scale state, weights and metrics equal the
     uninterrupted run's bit for bit. Broken on purpose (the steps counted from the process's start,
-    `t.steps_in_process`, in place of the global step), the noise-scale state differs."""
+    `t.progress.steps_in_process`, in place of the global step), the noise-scale state differs."""
     from resumed import assert_resumed
 
     from ddp_tricks.storage import checkpoint

@@ -114,13 +114,13 @@ def test_a_step_the_fp16_scaler_skips_skips_the_hook_and_the_ema():
     t.ema = ModelEma(t.model, 0.9)
     before = {k: v.clone() for k, v in t.ema.weights.items()}
     syncs_per_step(t)
-    assert t.skipped_steps == t.global_step > 0 and calls == [] and t.ema.updates == 0
+    assert t.progress.skipped_steps == t.progress.global_step > 0 and calls == [] and t.ema.updates == 0
     assert all(torch.equal(before[k], v) for k, v in t.ema.weights.items())
     t = toy(amp="fp16")  # the same with a scale that fits: every step calls both
     t.task.after_step = lambda model, step, progress: calls.append(step)
     t.ema = ModelEma(t.model, 0.9)
     syncs_per_step(t)
-    assert calls == list(range(1, t.global_step + 1)) and t.ema.updates == t.global_step
+    assert calls == list(range(1, t.progress.global_step + 1)) and t.ema.updates == t.progress.global_step
 
 
 def test_an_ema_step_makes_no_host_sync_and_neither_does_calling_the_hook():

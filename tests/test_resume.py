@@ -236,7 +236,8 @@ def _skip_nonfinite(rank, world_size):
                       base_lr=0.1, lr_scaling="keep", base_batch=8, warmup_epochs=0).epoch(1, rank)  # fmt: skip
     t = tiny.training(ddp, opt, on_nonfinite="skip")
     row = train_one_epoch(t, steps, tiny.loader_for(dataset, steps, rank))
-    return row["skipped_steps"], t.global_step, t.schedule.per_step.last_epoch, [p.detach() for p in model.parameters()]
+    weights = [p.detach() for p in model.parameters()]
+    return row["skipped_steps"], t.progress.global_step, t.schedule.per_step.last_epoch, weights
 
 
 @pytest.mark.slow

@@ -169,7 +169,7 @@ def test_an_evaluation_mid_epoch_drives_the_plateau_and_leaves_the_epoch_open():
     plateau = schedule.build(optimizer, total_steps=100, warmup_steps=0, kind="plateau", plateau_factor=0.5,
                              plateau_patience=0)  # fmt: skip
     t = tiny.training(model, optimizer, plateau, best=Best("val_loss", "min"))
-    t.epoch, t.step_in_epoch = 1, 15
+    t.progress.epoch, t.progress.step_in_epoch = 1, 15
     assert t.after_evaluation({"val_loss": 1.0}) and t.lr == 0.4
     assert not t.after_evaluation({"val_loss": 1.0}) and t.lr == 0.2  # no improvement: cut at once
-    assert (t.completed_epochs, t.step_in_epoch) == (0, 15)
+    assert (t.progress.completed_epochs, t.progress.step_in_epoch) == (0, 15)

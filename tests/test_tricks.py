@@ -31,13 +31,13 @@ def test_fp16_overflow_skips_the_step_and_the_schedule():
     before = [p.detach().clone() for p in model.parameters()]
     t.precision.backward(model(torch.full((3, 4), float("inf"))).sum(), opt)  # inf gradients
     optimizer_step(t, params)
-    assert t.skipped_steps == 1 and t.global_step == 1
+    assert t.progress.skipped_steps == 1 and t.progress.global_step == 1
     assert t.schedule.per_step.last_epoch == 0  # the schedule did not advance
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert t.precision.scaler.get_scale() == 2.0**7
     t.precision.backward(model(torch.ones(3, 4)).sum(), opt)
     optimizer_step(t, params)
-    assert t.skipped_steps == 1 and t.schedule.per_step.last_epoch == 1
+    assert t.progress.skipped_steps == 1 and t.schedule.per_step.last_epoch == 1
     assert not torch.equal(before[0], model.weight)
 
 
@@ -54,7 +54,7 @@ def _accumulate(rank, world_size, accum_steps, batch_size):
     steps = the_plan.epoch(1, rank)
     t = tiny.training(ddp, opt)
     train_one_epoch(t, steps, tiny.loader_for(train_set, steps, rank))
-    return [p.detach().clone() for p in model.parameters()], t.global_step
+    return [p.detach().clone() for p in model.parameters()], t.progress.global_step
 
 
 @pytest.mark.slow

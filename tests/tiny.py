@@ -10,6 +10,8 @@ from torch import nn
 from ddp_tricks.data import loaders as data
 from ddp_tricks.schedules.curves import WarmupDecay
 from ddp_tricks.schedules.schedule import Schedule
+from ddp_tricks.training.meter import EpochMeter
+from ddp_tricks.training.metric_states import Layout
 from ddp_tricks.training.precision import Precision
 from ddp_tricks.training.state import Training
 
@@ -32,6 +34,13 @@ class Classify:
 def training(model, optimizer, schedule=None, amp="off", **options) -> Training:
     schedule = schedule or Schedule(WarmupDecay(optimizer, 0, 0))
     return Training(model, optimizer, schedule, Classify(), ["acc"], Precision(amp, CPU), CPU, **options)
+
+
+def retask(t: Training, task, sum_names: list[str]) -> None:
+    """`t` training `task`, whose metric_sums() gives `sum_names`: a new epoch meter for them."""
+    t.task = task
+    t.meter = EpochMeter(Layout.scalars(sum_names), t.device, t.rank, t.world_size)
+    t.parts["epoch_sums"] = t.meter
 
 
 def together_loader(dataset, world_size: int, batch_size: int):

@@ -171,9 +171,8 @@ class Checkpoints:
             if also_best:
                 weights = sharded.full_weights(t.raw_model)  # a collective: gathered on rank 0
                 ema = None if t.ema is None else t.ema.state_dict() | {"weights": t.ema.full_weights()}  # also
-                if self.is_main:
-                    best = {"model": weights, "ema": ema, "epoch": t.completed_epochs, "best": t.best.state_dict()}
-                    best |= {"global_step": t.global_step, "task": t.task_state()}  # --eval-only reads them
+                if self.is_main:  # --eval-only reads the header, the EMA and the task's state
+                    best = t.state_dict(("best", "task")) | {"model": weights, "ema": ema}
                     save(best | meta, self.folder / "best.pt")
             return
         state = t.state_dict() | meta
@@ -186,7 +185,7 @@ class Checkpoints:
         """A new folder name for a sharded checkpoint, the same on every rank (rank 0's, broadcast)."""
         import torch.distributed as dist
 
-        base, n = f"step-{t.global_step:09d}", 1
+        base, n = f"step-{t.progress.global_step:09d}", 1
         while (self.folder / sharded.FOLDER / f"{base}-{n}").exists():
             n += 1
         chosen = [f"{base}-{n}"]
@@ -197,6 +196,6 @@ class Checkpoints:
         """After every optimizer step: the mid-epoch checkpoint when due, and the stop every rank agrees on after
         SIGTERM (True: stop now, the checkpoint written)."""
         stop = self.preemption.agreed()
-        if stop or (self.every_steps and t.global_step % self.every_steps == 0):
+        if stop or (self.every_steps and t.progress.global_step % self.every_steps == 0):
             self.save(t)
         return stop

@@ -27,16 +27,14 @@ from ddp_tricks.distributed.collectives import (
     sum_to_host,
     uneven_rows,
 )
-from ddp_tricks.distributed.fsdp import reduce_replicated
 from ddp_tricks.distributed.wrap import accumulating, check_every_gradient, name_unused_parameters
 from ddp_tricks.plan import Step
 from ddp_tricks.training import noise, precise_bn
 from ddp_tricks.training.batches import detached, float_outputs, to_device
 from ddp_tricks.training.metric_states import report
-from ddp_tricks.training.state import Training, restore_rng
+from ddp_tricks.training.state import Training
+from ddp_tricks.training.step_log import StepLog
 from ddp_tricks.training.stepping import training_step
-
-CHECK_EVERY = 20  # without a step log, the steps between checks of the loss (a host read each)
 
 
 def forward(t: Training, model: nn.Module, inputs, targets):
@@ -51,7 +49,7 @@ def forward(t: Training, model: nn.Module, inputs, targets):
 def batch_sums(t: Training, outputs, targets, loss: torch.Tensor, units) -> torch.Tensor:
     """[loss x units, *the task's metric sums, each flattened] on the device, in the widest dtype among them
     (float32 mostly: a batch's sums are exact there); added into float64 running sums."""
-    sums = t.task.metric_sums(detached(outputs), targets) if t.sum_names else {}
+    sums = t.task.metric_sums(detached(outputs), targets) if t.sums_layout.sums else {}
     return torch.cat([(loss.detach() * units).reshape(1), *t.sums_layout.flat(sums)])  # one op: it promotes dtypes
 
 
@@ -71,7 +69,7 @@ def micro_batches(t: Training, step: Step, batches, units_of):
     list of dicts of boxes, labels concatenated over its sequences). Without the task's `units()`, a unit is a
     sample and the plan knows every weight ahead. With it, the step's micro-batches are fetched first and one
     all-reduce (no host sync) sums their units over the ranks (kept as `t.step_units`, the step's big batch for the
-    noise scale); every rank takes part, also one with no micro-batch in a traced step."""
+    noise scale: `t.meter.step_units`); every rank takes part, also one with no micro-batch in a traced step."""
     if units_of is None:
         for indices in step.micro_batches:
             inputs, targets = next(batches)
@@ -88,10 +86,9 @@ def micro_batches(t: Training, step: Step, batches, units_of):
     for *_, units in fetched:
         total += units
     total = all_reduce_sum(total.reshape(1))[0]
-    t.step_units = total
-    t.empty_steps += total == 0  # a step with no unit anywhere: said at the next check (check_units)
+    t.meter.count_empty(total)  # a step with no unit anywhere: said at the next check (check_units)
     # DDP averages the ranks' gradients: a rank's share is its units over the mean units per rank
-    scale = (t.world_size if t.reduction is None else 1) / total.clamp(min=1)
+    scale = (t.world_size if t.gradients.averaged else 1) / total.clamp(min=1)
     for inputs, targets, samples, units in fetched:
         yield inputs, targets, samples, units, units * scale
 
@@ -111,8 +108,7 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
             if parts is not None:
                 parts.before_backward(last=k == last)
             t.precision.backward(loss if whole else loss * weight, t.optimizer)
-        if t.reduction is not None:
-            t.reduction.after_backward(weight)
+        t.gradients.after_backward(weight)
         if parts is not None:
             parts.after_backward(weight, units, t.precision.loss_scale())
         yield outputs, targets, loss, units, samples
@@ -123,13 +119,11 @@ def plain_accumulation(t: Training, step: Step, batches, units_of):
 def start_epoch(t: Training, epoch: int, loader, steps: list[Step], seed: int) -> int:
     """Point the loader at the epoch's steps and seed the epoch; returns the step to start from (a resumed
     epoch continues where its checkpoint stopped, with the RNG that checkpoint saved)."""
-    first_step = t.step_in_epoch if epoch == t.completed_epochs + 1 else 0
+    first_step = t.progress.step_in_epoch if epoch == t.progress.completed_epochs + 1 else 0
     loader.batch_sampler.start(steps, first_step)
     seed_epoch(loader, epoch, seed, t.rank)
-    if first_step and t.resume_rng is not None:
-        restore_rng(t.resume_rng)
-    t.resume_rng = None
-    t.epoch = epoch
+    t.parts["rng"].resume(t.rank, mid_epoch=first_step > 0)
+    t.progress.epoch = epoch
     return first_step
 
 
@@ -138,115 +132,109 @@ def train_one_epoch(
     steps: list[Step],
     loader,
     first_step: int = 0,
-    log=None,
+    log: StepLog | None = None,
     after_step: Callable[[Training], bool] | None = None,
 ) -> dict[str, float] | None:
     """Train the epoch's `steps` from `first_step` on; return the epoch's metrics reduced across ranks.
 
-    The loader yields this rank's micro-batches of those steps in order. A resumed epoch continues from
-    `t.resume_sums` (this rank's running [loss x units, *metric sums, units, samples] when its checkpoint was
-    written).
-    `after_step(t)` runs after every optimizer step (`t.step_in_epoch` steps done, `t.epoch_sums` the running
-    sums); when it returns True the epoch stops there and None is returned. `log` (training/step_log.py's StepLog,
-    or None: no rows) writes a row at the steps it says are due, the only steps that read the device (the loss's
-    non-finite check too; without a log, every CHECK_EVERY steps).
+    The loader yields this rank's micro-batches of those steps in order. A resumed epoch continues the running sums
+    its checkpoint kept (the epoch's meter). `after_step(t)` runs after every optimizer step
+    (`t.progress.step_in_epoch` steps done); when it returns True the epoch stops there and None is returned. `log`
+    (training/step_log.py's StepLog; None: no rows) writes a row at the steps it says are due, the only steps that
+    read the device: the row's one gather carries the loss's non-finite check and the empty steps' count.
     """
     try:
-        return _train_steps(t, steps, loader, first_step, log, after_step)
+        return _train_steps(t, steps, loader, first_step, log or StepLog(0, t.device), after_step)
     except RuntimeError as error:
         name_unused_parameters(error, t.model)  # DDP's "expected to have finished reduction": one line
         raise
 
 
-def _train_steps(t: Training, steps: list[Step], loader, first_step, log, after_step):
+def _train_steps(t: Training, steps: list[Step], loader, first_step: int, log: StepLog, after_step):
     t.model.train()
-    width = t.sums_layout.width + 1
-    resumed = t.resume_sums if first_step else None
-    start_sums = torch.zeros(width + 2, dtype=torch.float64) if resumed is None else resumed.cpu()
-    t.resume_sums = None
-    running = start_sums[:width].to(t.device, copy=True)
-    t.epoch_sums = running  # a non-finite loss makes it non-finite: "stop" checks it, at no cost per step
-    t.epoch_units = float(start_sums[width])
-    t.epoch_samples = int(start_sums[-1])  # a checkpoint from before units kept one count: units = samples
+    t.meter.start(resumed=first_step > 0)
     units_of = getattr(t.task, "units", None)
-
-    skip_nonfinite = not t.precision.skips_nonfinite and t.on_nonfinite == "skip"
-    step_nonfinite = torch.zeros((), dtype=torch.bool, device=t.device)
+    skip = Skips(t.device) if not t.precision.skips_nonfinite and t.on_nonfinite == "skip" else None
     params = [p for p in t.raw_model.parameters() if p.requires_grad]
-    skipped_before, start = t.skipped_steps, time.perf_counter()
-    batches = iter(loader) if log is None else log.begin(t, iter(loader))  # a log times each next(): data wait
+    skipped_before, start = t.progress.skipped_steps, time.perf_counter()
+    batches = log.begin(t, iter(loader))  # the log times each next(): the data wait
     accumulate = t.accumulation or plain_accumulation  # chosen when the run was built (cached.py's, or this one)
-    measures = t.noise is not None and t.reduction is None  # untraced: every K-th step (a traced one: every step)
     after_each = t.ema is not None or getattr(t.task, "after_step", None) is not None  # else nothing to call per step
     for done, step in enumerate(steps[first_step:], start=first_step + 1):
-        heartbeat.step(t.global_step + 1, first=done == first_step + 1)  # a few assignments: the watchdog's progress
-        if measures:
-            t.noise.at_step(t.global_step)
-        # an epoch's short last step gives the ranks micro-batches of different lengths: only there do the task's
-        # gathers (its loss's, its metric sums') exchange their row counts, a host read each
-        with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
-            for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
-                with torch.no_grad():
-                    row = batch_sums(t, outputs, targets, loss, units)
-                    if skip_nonfinite:  # keep the skipped batch out of the epoch's sums
-                        nonfinite = ~torch.isfinite(row[0])
-                        step_nonfinite |= nonfinite
-                        row = torch.where(nonfinite, torch.zeros_like(row), row)
-                    running += row
-                t.epoch_units += units
-                t.epoch_samples += samples
-        if t.sparse is not None:  # the sparse tables' gradients, averaged over the ranks (DDP's reducer: the rest)
-            t.sparse.reduce()
-        reduce_replicated(t.model)  # --strategy fsdp: the 0-d parameters kept whole, their gradients averaged
-        big = step.batch if units_of is None else t.step_units  # the step's units over every rank
-        if t.reduction is not None:  # a traced step: its gradients reduced (and its noise scale measured) here
-            gain = t.reduction.finish(step.batch, t.precision.loss_scale(), units=big)
-        else:
-            gain = 1.0
-            if t.noise is not None and t.noise.measuring:
-                noise.measure(t.noise, params, big, t.precision.loss_scale())
-        factor = step.lr_factor
-        if t.adascale is not None:
-            factor *= gain
-        due = log.due(t.global_step + 1) if log is not None else done % CHECK_EVERY == 0
+        heartbeat.step(t.progress.global_step + 1, first=done == first_step + 1)  # the watchdog's progress
+        t.gradients.start_step(t.progress.global_step)
+        big = step_gradients(t, step, batches, units_of, accumulate, skip)
+        gain = t.gradients.finish(step.batch, big, t.precision.loss_scale())
+        due = log.due(t.progress.global_step + 1)
         if due:  # before this step's collectives: a rank whose backward left a DDP bucket unreduced says so alone
             check_every_gradient(t.model)
-        if due and log is not None:
             log.measure(t, params)  # the gradient norm, before the step zeroes it
-        if skip_nonfinite and any_rank(step_nonfinite, t.device):  # the step's one host sync
-            t.optimizer.zero_grad(set_to_none=True)  # the same decision on every rank: skip and count it
-            t.global_step += 1
-            t.steps_in_process += 1
-            t.skipped_steps += 1
-            step_nonfinite.zero_()
-        elif optimizer_step(t, params, factor, gain if t.adascale is not None else step.progress) and after_each:
-            after_optimizer_step(t, run_progress(t.epoch, t.epochs, done, len(steps)))
-        t.step_in_epoch = done
+        if skip is not None and skip.now(t):  # the step's one host sync: skipped alike on every rank
+            t.progress.took_step(skipped=True)
+        elif optimizer_step(t, params, step.lr_factor * gain, gain if t.adascale is not None else step.progress):
+            if after_each:
+                after_optimizer_step(t, run_progress(t.progress.epoch, t.epochs, done, len(steps)))
+        t.progress.step_in_epoch = done
         if due:
-            t.raise_if_nonfinite()
-            t.check_units()
-            if log is not None:
-                log.write(t)  # before the checkpoint below: a resume at this step keeps this row
+            log.write(t)  # its one gather checks the loss and the units too; before the checkpoint below
         if after_step is not None and after_step(t):
             return None
+    return epoch_metrics(t, len(steps), time.perf_counter() - start, t.progress.skipped_steps - skipped_before)
+
+
+def step_gradients(t: Training, step: Step, batches, units_of, accumulate, skip) -> torch.Tensor | int:
+    """The step's micro-batches forward and backward (`accumulate`), each one's sums into the epoch's meter (a
+    non-finite one kept out when `skip`ping such steps). Returns the step's units over every rank."""
+    # an epoch's short last step gives the ranks micro-batches of different lengths: only there do the task's
+    # gathers (its loss's, its metric sums') exchange their row counts, a host read each
+    with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
+        for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
+            with torch.no_grad():
+                row = batch_sums(t, outputs, targets, loss, units)
+                t.meter.add(row if skip is None else skip.keep(row), units, samples)
+    return step.batch if units_of is None else t.meter.step_units
+
+
+class Skips:
+    """--on-nonfinite skip: a step with a non-finite micro-batch loss on any rank is skipped on every rank (one host
+    sync a step); the batch is kept out of the epoch's sums."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+
+    def keep(self, row: torch.Tensor) -> torch.Tensor:
+        bad = ~torch.isfinite(row[0])
+        self.nonfinite |= bad
+        return torch.where(bad, torch.zeros_like(row), row)
+
+    def now(self, t: Training) -> bool:
+        if not any_rank(self.nonfinite, self.device):
+            return False
+        t.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite.zero_()
+        return True
+
+
+def epoch_metrics(t: Training, steps: int, seconds: float, skipped: int) -> dict[str, float]:
+    """The epoch's training metrics over every rank: its meter's sums (and the noise scale's averages) in one
+    all-reduce, after the checks of the loss and the units."""
     t.raise_if_nonfinite()
-    t.check_units()
-    seconds = time.perf_counter() - start
-    units = torch.as_tensor(t.epoch_units, dtype=torch.float64, device=t.device).reshape(1)
-    counts = torch.tensor([t.epoch_samples, t.epoch_samples - start_sums[-1].item()], dtype=torch.float64)
-    averages = [t.noise.corrected()] if t.noise is not None else []  # the ranks' moving averages, summed alike
-    reduced = sum_to_host(torch.cat([running, units, counts.to(t.device), *averages]))
-    split = len(reduced) - 2 * len(averages)
-    *total, units_all, samples_all, samples_now = reduced[:split]
-    measured = noise.report(reduced[split:], t.world_size) if averages else {}
+    t.meter.check_units(t.progress.epoch)
+    meter = t.meter
+    averages = {"noise": t.noise.corrected()} if t.noise is not None else {}  # the ranks' moving averages, summed
+    packed = meter.packed(new_samples=float(meter.samples - meter.samples_at_start), **averages)
+    reduced = packed.named(sum_to_host(packed.vector))
+    (units,), (samples,), (samples_now,) = reduced["units"], reduced["samples"], reduced["new_samples"]
+    measured = noise.report(reduced["noise"], t.world_size) if averages else {}
     return (
-        report(t.task, t.sums_layout, "train", total, units_all)
+        report(t.task, t.sums_layout, "train", reduced["sums"], units)
         | measured
         | {
-            "global_batch": samples_all / max(len(steps), 1),
+            "global_batch": samples / max(steps, 1),
             "samples_per_second": samples_now / seconds,
             "epoch_seconds": seconds,
-            "skipped_steps": t.skipped_steps - skipped_before,
+            "skipped_steps": skipped,
         }
     )
 
@@ -255,16 +243,11 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
     """One optimizer step at the schedule's LR x `lr_factor`, and one schedule step, by `progress` (a traced step:
     its samples over the reference batch's, or AdaScale's gain); an fp16 step the scaler skips does not advance the
     schedule. Returns whether the step was taken."""
-    if t.schedule.warming_up or t.global_step % 10 == 0:
-        t.lr_log.append((t.global_step + 1, t.lr * lr_factor))  # host floats: no sync
     took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
-    t.global_step += 1
-    t.steps_in_process += 1
-    if not took_step:
-        t.skipped_steps += 1
-        return False
-    t.schedule.step(progress)
-    return True
+    t.progress.took_step(skipped=not took_step)
+    if took_step:
+        t.schedule.step(progress)
+    return took_step
 
 
 def run_progress(epoch: int, epochs: int, done: int, steps: int) -> float:
@@ -280,7 +263,7 @@ def after_optimizer_step(t: Training, progress: float) -> None:
     hook = getattr(t.task, "after_step", None)
     if hook is not None:
         with torch.no_grad():  # state written in place (a teacher's weights), not part of any graph
-            hook(t.raw_model, t.global_step, progress)
+            hook(t.raw_model, t.progress.global_step, progress)
     if t.ema is not None:
         t.ema.update(t.raw_model)
 

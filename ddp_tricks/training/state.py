@@ -1,22 +1,20 @@
-"""The training state: the objects one optimizer step needs, the counters that outlive an epoch, the best value so
-far and early stopping, in one object whose `state_dict()` / `load_state_dict()` are what a checkpoint holds.
+"""The training state: the objects one optimizer step needs, where the run stands (`Progress`), the best value so
+far and early stopping, and the checkpoint's named parts (`Training.parts`, training/parts.py): `state_dict()` /
+`load_state_dict()` are the header and every part's state by name. A new checkpointed part is one registration.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from customized_function import EarlyStopping
-from ddp_tricks.distributed.collectives import gather_objects, gather_to_host
+from ddp_tricks.distributed.collectives import gather_to_host
 from ddp_tricks.distributed.fsdp import is_sharded
 from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import TraceReduction
@@ -25,9 +23,14 @@ from ddp_tricks.schedules.schedule import Schedule
 from ddp_tricks.shards import local
 from ddp_tricks.storage import sharded
 from ddp_tricks.training.ema import ModelEma
+from ddp_tricks.training.gradients import ByWrapper, Traced
+from ddp_tricks.training.meter import EpochMeter
 from ddp_tricks.training.metric_states import Layout
 from ddp_tricks.training.noise import MicroBatches, NoiseScale, RankGradient
+from ddp_tricks.training.parts import Ema, Monitored, Noise, RandomStates, TaskState, Weights, restore_rng
 from ddp_tricks.training.precision import Precision
+
+__all__ = ["Best", "NonFiniteLoss", "Progress", "Training", "describe_optimizer", "restore_rng"]
 
 
 @dataclass
@@ -75,26 +78,44 @@ class NonFiniteLoss(Exception):
 
 
 @dataclass
+class Progress:
+    """Where the run stands: the checkpoint's header (with the sampler's position in the epoch: its steps taken),
+    and what this process took (its last line)."""
+
+    epoch: int = 0  # the epoch being trained (or last trained)
+    completed_epochs: int = 0
+    step_in_epoch: int = 0  # optimizer steps already taken in epoch completed_epochs + 1
+    global_step: int = 0  # optimizer steps taken or skipped, over the whole run
+    skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
+    first_global_step: int = 0  # where this process began: a checkpoint's, or 0
+    steps_in_process: int = 0  # optimizer steps this process took or skipped, counted
+
+    def took_step(self, skipped: bool = False) -> None:
+        self.global_step += 1
+        self.steps_in_process += 1
+        self.skipped_steps += skipped
+
+
+@dataclass
 class Training:
-    """Everything one optimizer step needs, and everything a checkpoint holds."""
+    """Everything one optimizer step needs, and everything a checkpoint holds: `parts`, by name."""
 
     model: nn.Module  # DDP-wrapped in a distributed run without a trace
     optimizer: torch.optim.Optimizer
     schedule: Schedule
     task: object  # see task.py
-    sum_names: list[str]  # the task's metric_sums keys, in the order the sums vector holds them
+    sum_names: InitVar[list[str]]  # the task's metric_sums keys, in the order the epoch's meter holds them
     precision: Precision
     device: torch.device
     clip_grad_norm: float = 0.0
     channels_last: bool = False
     on_nonfinite: str = "stop"  # without a scaler: "stop" the run, or "skip" the step (one host sync per step)
-    reduction: TraceReduction | None = None  # a traced run's own gradient reduction (no DDP)
-    sparse: SparseGradients | None = None  # the sparse tables' gradients, averaged apart from DDP's reducer
+    reduction: InitVar[TraceReduction | None] = None  # a traced run's own gradient reduction (no DDP)
+    sparse: InitVar[SparseGradients | None] = None  # the sparse tables' gradients, averaged apart from DDP's reducer
     accumulation: Callable | None = None  # how a step's micro-batches make its gradient: None, loop.py's plain one
-    global_loss: bool = False  # the task's loss gathers from every rank: evaluation keeps the ranks in step
     noise: NoiseScale | None = None  # the gradient noise scale's moving averages (None: not measured)
     noise_parts: MicroBatches | RankGradient | None = None  # the small batches' reader (a traced run: None)
-    sum_shapes: dict = field(default_factory=dict)  # the metric sums that are not scalars: {name: shape}
+    sum_shapes: InitVar[dict | None] = None  # the metric sums that are not scalars: {name: shape}
     scoring: Layout | None = None  # the states of the task's score(), which evaluates in place of loss and sums
     best: Best | None = None  # the monitored metric's best so far (None: not followed)
     early_stopping: EarlyStopping | None = None
@@ -102,22 +123,31 @@ class Training:
     epochs: int = 1  # the run's --epochs: the task's per-step hook is told how far the run is (its `progress`)
     rank: int = 0
     world_size: int = 1
-    parts: dict = field(default_factory=dict)  # more named parts of the checkpoint: {name: a state_dict() holder}
-    epoch: int = 0  # the epoch being trained (or last trained)
-    completed_epochs: int = 0
-    step_in_epoch: int = 0  # optimizer steps already taken in epoch completed_epochs + 1
-    global_step: int = 0  # optimizer steps taken or skipped, over the whole run
-    skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
-    epoch_sums: torch.Tensor | None = field(init=False, default=None)  # this rank's running [loss x units, *sums]
-    epoch_units: float | torch.Tensor = field(init=False, default=0.0)  # this rank's units (samples, tokens) in them
-    epoch_samples: int = field(init=False, default=0)  # and its samples
-    empty_steps: int | torch.Tensor = field(init=False, default=0)  # steps whose units were 0 on every rank
-    step_units: torch.Tensor | None = field(init=False, default=None)  # the step's units over every rank (units())
-    resume_sums: torch.Tensor | None = field(init=False, default=None)  # a checkpoint's, to continue its epoch
-    resume_rng: dict | None = field(init=False, default=None)  # this rank's RNG of a mid-epoch checkpoint
-    lr_log: list = field(init=False, default_factory=list)  # (global step, LR used): warmup steps, then every 10th
-    first_global_step: int = field(init=False, default=0)  # where this process began: a checkpoint's, or 0
-    steps_in_process: int = field(init=False, default=0)  # optimizer steps this process took or skipped, counted
+    progress: Progress = field(default_factory=Progress)
+    meter: EpochMeter = field(init=False)  # the epoch's running sums
+    gradients: ByWrapper | Traced = field(init=False)  # how the step's gradients reach every rank
+    parts: dict = field(init=False)  # the checkpoint's named parts: {name: a state_dict()/load_state_dict() holder}
+
+    def __post_init__(self, sum_names, reduction, sparse, sum_shapes) -> None:
+        self.meter = EpochMeter(Layout.scalars(sum_names, sum_shapes), self.device, self.rank, self.world_size)
+        params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        noise = self.noise if reduction is None else None
+        self.gradients = Traced(reduction) if reduction is not None else ByWrapper(self.model, params, sparse, noise)
+        self.best = self.best or Best("val_loss", "min")
+        self.parts = {
+            "model": Weights(self.raw_model),
+            "optimizer": self.optimizer,
+            "schedule": self.schedule,
+            "scaler": self.precision,
+            "best": Monitored(self.best, self.early_stopping),
+            "adascale": self.adascale,
+            "noise": None if self.noise is None else Noise(self.noise, self.rank, self.world_size),
+            "ema": None if self.ema is None else Ema(self.ema, self.raw_model),  # after the model: it may start from it
+            "task": TaskState(self.task),
+            "rng": RandomStates(self.world_size),
+            "epoch_sums": self.meter,
+        }
+        self.parts = {name: part for name, part in self.parts.items() if part is not None}
 
     @property
     def raw_model(self) -> nn.Module:
@@ -125,27 +155,21 @@ class Training:
         model = getattr(self.model, "_orig_mod", self.model)
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    @functools.cached_property
+    @property
     def sums_layout(self) -> Layout:
-        """The task's metric sums, in the order the running sums hold them (after the loss), with their shapes."""
-        return Layout.scalars(self.sum_names, self.sum_shapes)
+        """The task's metric sums, in the order the epoch's meter holds them (after the loss), with their shapes."""
+        return self.meter.layout
 
     @property
     def adascale(self):
         """AdaScale's estimator, in a traced run with --batch-lr-rule adascale: the LR and the schedule's
         progress are scaled by its gain r each step."""
-        return self.reduction.adascale if self.reduction is not None else None
+        return self.gradients.adascale
 
     @property
     def sharded(self) -> bool:
         """--strategy fsdp: every forward gathers parameters from every rank, so all ranks run as many."""
         return is_sharded(self.model)
-
-    @property
-    def units_per_sample(self) -> float:
-        """This rank's units per sample in the epoch so far (the last one, at an epoch's start): 1 for a task that
-        counts samples (a host read of a device count otherwise: never in a step)."""
-        return float(self.epoch_units) / self.epoch_samples if self.epoch_samples else 1.0
 
     @property
     def lr(self) -> float:
@@ -160,7 +184,8 @@ class Training:
     def end_epoch(self, row: dict) -> bool:
         """After an epoch's evaluation: `after_evaluation`, and the epoch is done. True when it is a new best."""
         improved = self.after_evaluation(row)
-        self.completed_epochs, self.step_in_epoch = self.epoch, 0
+        self.progress.completed_epochs, self.progress.step_in_epoch = self.progress.epoch, 0
+        self.meter.close()
         return improved
 
     def after_evaluation(self, row: dict) -> bool:
@@ -168,196 +193,124 @@ class Training:
         see the monitored metric (reduced across ranks: every rank decides the same). True when it is a new best."""
         monitored = row[self.best.metric]
         self.schedule.epoch_end(monitored)
-        improved = self.best.update(self.epoch, row)
+        improved = self.best.update(self.progress.epoch, row)
         if self.early_stopping is not None:
             self.early_stopping(monitored)
         return improved
 
     def describe_resume(self, source) -> str:
         """Where a resumed run starts, as its checkpoint `source` says (the log's line; tests read it)."""
-        epoch, step = self.completed_epochs, self.step_in_epoch
+        epoch, step = self.progress.completed_epochs, self.progress.step_in_epoch
         return (
             f"resumed from {source}: epoch {epoch} done, {step} step(s) into epoch {epoch + 1}, "
-            f"global step {self.global_step}"
+            f"global step {self.progress.global_step}"
         )
 
     def describe_steps(self) -> str:
         """The optimizer steps this process took (or skipped), counted as they were taken, and the global steps it
         went between (the log's last line; tests read it: a resume takes exactly the steps its checkpoint lacks)."""
         return (
-            f"{self.steps_in_process} optimizer step(s) in this process "
-            f"(global steps {self.first_global_step} -> {self.global_step})"
+            f"{self.progress.steps_in_process} optimizer step(s) in this process "
+            f"(global steps {self.progress.first_global_step} -> {self.progress.global_step})"
         )
 
-    def raise_if_nonfinite(self, check_weights: bool = False) -> None:
-        """Stop every rank together when any rank's epoch loss has become non-finite (one small collective).
+    @property
+    def checks_loss(self) -> bool:
+        """Whether a non-finite epoch loss stops the run (fp16's scaler, or "skip", skip such steps instead)."""
+        return not self.precision.skips_nonfinite and self.on_nonfinite == "stop"
 
-        Called every `--log-interval` steps, at the end of the epoch, and (with `check_weights`) before every
-        checkpoint, where non-finite weights or buffers count too: a finite loss can still take a step to
-        infinite weights, and those must never replace the last good checkpoint.
-        """
-        if self.precision.skips_nonfinite or (self.on_nonfinite != "stop" and not check_weights):
-            return  # fp16: the GradScaler skips such steps itself
+    def nonfinite_flag(self, check_weights: bool = False) -> torch.Tensor | None:
+        """This rank's "something is non-finite" as a one-element float on the device (None: nothing to check): its
+        epoch loss (when a non-finite loss stops the run), and with `check_weights` its weights and buffers (the
+        slices it holds of sharded ones)."""
         bad = None
-        if self.on_nonfinite == "stop" and self.epoch_sums is not None:
-            bad = ~torch.isfinite(self.epoch_sums[0])
+        if self.checks_loss and self.meter.sums is not None:
+            bad = ~self.meter.loss_finite
         if check_weights:
-            # sharded weights: each rank checks the slices it holds, and the flags below gather every rank's
             state = [local(v) for v in self.raw_model.state_dict().values() if v.is_floating_point()]
             weights_bad = ~torch.stack([v.isfinite().all() for v in state]).all()
             bad = weights_bad if bad is None else bad | weights_bad
-        if bad is None:
-            return
-        flags = gather_to_host(bad.reshape(1).to(torch.float32)).flatten().tolist()
+        return None if bad is None else bad.reshape(1).to(torch.float64)
+
+    def raise_if_nonfinite(self, check_weights: bool = False, flags: list[float] | None = None) -> None:
+        """Stop every rank together when any rank's epoch loss has become non-finite (one small collective, or none
+        when `flags`, every rank's nonfinite_flag(), came with another: a step row's).
+
+        Called at rows' steps, at the end of the epoch, and (with `check_weights`) before every checkpoint, where
+        non-finite weights or buffers count too: a finite loss can still take a step to infinite weights, and those
+        must never replace the last good checkpoint.
+        """
+        if flags is None:
+            if self.precision.skips_nonfinite and not check_weights:
+                return  # fp16: the GradScaler skips such steps itself
+            bad = self.nonfinite_flag(check_weights)
+            if bad is None:
+                return
+            flags = gather_to_host(bad).flatten().tolist()
         if any(flags):
-            raise NonFiniteLoss(self.epoch, self.global_step, flags.index(1.0))
+            raise NonFiniteLoss(self.progress.epoch, self.progress.global_step, flags.index(1.0))
 
-    def check_units(self) -> None:
-        """A step whose micro-batches held no unit on any rank (the task's units() gave 0 everywhere) trains on
-        nothing: said as a user error, on every rank together (the count was all-reduced)."""
-        if isinstance(self.empty_steps, torch.Tensor) and self.empty_steps.item() > 0:
-            raise UserError(
-                f"{int(self.empty_steps.item())} optimizer step(s) so far in epoch {self.epoch} held no units: the "
-                "task's units() gave 0 for every micro-batch of the step on every rank; every step needs at least one "
-                "unit (a real token, pixel or sample): check units() and the data"
-            )
-
-    def state_dict(self) -> dict:
-        """The whole training state, with every rank's RNG and (mid-epoch) running sums: a collective, called on
-        every rank. Tensors and plain containers only, so `torch.load(weights_only=True)` reads it back."""
-        mine = rng_state()
-        restore_rng(mine)  # set as a resume sets it: cuDNN's RNN dropout draws anew here, resumed or not (restore_rng)
-        rng = gather_objects(mine)
-        mid_epoch = self.step_in_epoch > 0 and self.epoch_sums is not None
-        sums = None
-        if mid_epoch:
-            device = self.epoch_sums.device
-            units = torch.as_tensor(self.epoch_units, dtype=torch.float64, device=device).reshape(1)
-            samples = torch.tensor([float(self.epoch_samples)], dtype=torch.float64, device=device)
-            sums = gather_to_host(torch.cat([self.epoch_sums, units, samples]))
-        adascale = self.adascale
+    def header(self) -> dict:
+        """What every reader of a checkpoint looks at first: where the run stands, the optimizer it was trained
+        with, the world size that wrote it (the sampler's position: `step_in_epoch` steps into epoch `epoch` + 1)."""
+        p = self.progress
         return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "epoch": p.completed_epochs,
+            "step_in_epoch": p.step_in_epoch if self.meter.open else 0,
+            "global_step": p.global_step,
+            "skipped_steps": p.skipped_steps,
             "optimizer_name": describe_optimizer(self.optimizer),
-            "schedule": self.schedule.state_dict(),
-            "scaler": self.precision.state_dict(),
-            "early_stopping": self.early_stopping.state_dict() if self.early_stopping is not None else None,
-            "adascale": adascale.state_dict() if adascale is not None else None,
-            "noise": gather_to_host(self.noise.packed()) if self.noise is not None else None,  # per rank
-            "epoch": self.completed_epochs,
-            "step_in_epoch": self.step_in_epoch if mid_epoch else 0,  # optimizer steps taken in epoch `epoch + 1`
-            "epoch_sums": sums,  # each rank's running [loss x units, *metric sums, units, samples], mid-epoch only
-            "global_step": self.global_step,
-            "skipped_steps": self.skipped_steps,
-            "best": self.best.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,  # sharded like the model under FSDP
-            "task": self.task_state(),
-            "rng": rng,
             "world_size": self.world_size,
-        } | {name: part.state_dict() for name, part in self.parts.items()}
+        }
 
-    def task_state(self) -> dict | None:
-        """The task's own state (a DINO centre), rank 0's; None for a task without `state_dict()`."""
-        return self.task.state_dict() if callable(getattr(self.task, "state_dict", None)) else None
+    def state_dict(self, names: tuple[str, ...] | None = None) -> dict:
+        """The header and every part's state by name (or the parts `names`): a collective (the RNG, the running
+        sums and the noise scale are every rank's), called on every rank. Tensors and plain containers only, so
+        `torch.load(weights_only=True)` reads it back."""
+        chosen = self.parts if names is None else {name: self.parts[name] for name in names if name in self.parts}
+        return self.header() | {name: part.state_dict() for name, part in chosen.items()}
 
-    def load_state_dict(self, state: dict, source: str) -> None:
-        """Everything a checkpoint holds, the model's weights included. A sharded checkpoint's slices are read
-        here, cut to this run's shards (`source`: its folder). Where the checkpoint followed another monitored
-        metric, this run's best and early stopping start fresh. A sharded run's best.pt (--eval-only; no optimizer
-        state): its weights are in the model already (before sharding), its EMA, task state and counters here."""
+    def load_state_dict(self, state: dict, source: str, names: tuple[str, ...] | None = None) -> None:
+        """The header and the parts of a checkpoint (or the parts `names`); a part the checkpoint lacks starts
+        fresh. A sharded checkpoint's slices are read here, cut to this run's shards (`source`: its folder). A
+        sharded run's best.pt (--eval-only; no optimizer state) loads its EMA and task state: its weights are in
+        the model already (before sharding)."""
         if "optimizer" not in state:
-            self._load_for_evaluation(state)
-            return
-        if self.sharded:
+            names = ("ema", "task")
+        elif self.sharded:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             state = sharded.fill(state, source, self.raw_model, params)
-        self.raw_model.load_state_dict(state["model"])
-        saved, ours = state.get("optimizer_name"), describe_optimizer(self.optimizer)
+        if "optimizer" in state:
+            self._check_optimizer(state.get("optimizer_name"), source)
+        if "early_stopping" in state:  # written before the parts: early stopping beside best, not in it
+            state = state | {"best": state["best"] | {"early_stopping": state["early_stopping"]}}
+        for name, part in self.parts.items():
+            if names is None or name in names:
+                self._load_part(name, part, state.get(name), source)
+        p = self.progress
+        p.global_step = p.first_global_step = state.get("global_step", 0)
+        p.skipped_steps = state.get("skipped_steps", 0)
+        p.completed_epochs = p.epoch = state["epoch"]
+        p.step_in_epoch = state.get("step_in_epoch", 0)
+
+    def _check_optimizer(self, saved: str | None, source: str) -> None:
+        ours = describe_optimizer(self.optimizer)
         if saved != ours:
             raise UserError(
                 f"checkpoint {source!r} was trained with {saved}, these flags build {ours}; "
                 "resume with the optimizer flags it was trained with"
             )
+
+    @staticmethod
+    def _load_part(name: str, part, state, source: str) -> None:
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.schedule.load_state_dict(state["schedule"])
+            part.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as error:
+            what = "an optimizer state" if name in ("optimizer", "schedule") else f"a {name!r} state"
             raise UserError(
-                f"checkpoint {source!r} holds an optimizer state that does not fit these flags "
+                f"checkpoint {source!r} holds {what} that does not fit these flags "
                 f"({str(error).splitlines()[0][:80]}); resume with the flags it was trained with"
             ) from None
-        self.precision.load_state_dict(state.get("scaler"))
-        if state.get("best", {}).get("metric") == self.best.metric:
-            self.best.load_state_dict(state["best"])
-            if self.early_stopping is not None and state.get("early_stopping"):
-                self.early_stopping.load_state_dict(state["early_stopping"])
-        if self.adascale is not None and state.get("adascale"):
-            self.adascale.load_state_dict(state["adascale"])
-        if self.noise is not None and state.get("noise") is not None:
-            self.noise.unpack(resume_rows(state["noise"], self.rank, self.world_size, mean=True))
-        if self.ema is not None:  # a checkpoint without one: the EMA starts from the resumed weights
-            self.ema.load_state_dict(state.get("ema"), self.raw_model)
-        self._load_task(state)
-        for name, part in self.parts.items():  # a checkpoint from before a part: the part starts fresh
-            part.load_state_dict(state.get(name))
-        self.global_step = self.first_global_step = state["global_step"]
-        self.skipped_steps = state.get("skipped_steps", 0)
-        self.completed_epochs = self.epoch = state["epoch"]
-        self.step_in_epoch = state.get("step_in_epoch", 0)
-        if self.step_in_epoch:  # the epoch's running sums, which add up over the ranks of any world size
-            self.resume_sums = resume_rows(state["epoch_sums"], self.rank, self.world_size)
-            saved_rng = state["rng"]  # another world size's ranks draw differently anyway (Plan: same samples)
-            self.resume_rng = saved_rng[self.rank] if len(saved_rng) == self.world_size else None
-
-    def _load_task(self, state: dict) -> None:
-        if state.get("task") is not None and callable(getattr(self.task, "load_state_dict", None)):
-            self.task.load_state_dict(state["task"])
-
-    def _load_for_evaluation(self, state: dict) -> None:
-        """A sharded run's best.pt: the EMA's whole weights (cut to this run's slices), the task's state, the
-        counters the evaluation row shows."""
-        if self.ema is not None:
-            self.ema.load_state_dict(state.get("ema"), self.raw_model)
-        self._load_task(state)
-        self.completed_epochs = self.epoch = state["epoch"]
-        self.global_step = self.first_global_step = state.get("global_step", 0)
-
-
-def resume_rows(saved: torch.Tensor, rank: int, world_size: int, mean: bool = False) -> torch.Tensor:
-    """This rank's share of a checkpoint's per-rank rows (one per rank that wrote it): its own row at the same world
-    size; else running sums (`mean` False) continue from their total on rank 0 and from zero on the others, and
-    averages (`mean`) from their mean on every rank."""
-    if len(saved) == world_size:
-        return saved[rank]
-    if mean:
-        return saved.mean(0)
-    return saved.sum(0) if rank == 0 else torch.zeros_like(saved[0])
-
-
-def rng_state() -> dict:
-    """This process's random generators, as tensors and plain values (safe for weights_only loading)."""
-    version, keys, gauss = random.getstate()
-    name, np_keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": [version, list(keys), gauss],
-        "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }
-
-
-def restore_rng(state: dict) -> None:
-    """Set this process's random generators to `state` (rng_state's). Setting torch's CUDA generator also makes
-    cuDNN's RNN dropout draw its own dropout state anew from it at its next use (that state is not in `state`): so
-    a checkpoint sets what it saves (Training.state_dict), and the run it continues draws as the resumed one."""
-    version, keys, gauss = state["python"]
-    random.setstate((version, tuple(keys), gauss))
-    name, np_keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:

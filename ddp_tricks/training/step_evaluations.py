@@ -18,7 +18,7 @@ log = logging.getLogger("ddp_tricks")
 def metrics_row(t: Training, val_loader) -> dict:
     """An evaluation's metrics.csv row where the run stands: epoch, step, LR, the validation metrics (and the EMA
     weights')."""
-    row = {"epoch": t.epoch, "step": t.global_step, "lr": t.lr} | loop.evaluate(t, val_loader)
+    row = {"epoch": t.progress.epoch, "step": t.progress.global_step, "lr": t.lr} | loop.evaluate(t, val_loader)
     return row | loop.evaluate_ema(t, val_loader)  # --model-ema: the EMA's weights, the same way
 
 
@@ -36,7 +36,7 @@ class StepEvaluations:
         self.rows = rows  # training.step_log.StepLog: its epoch's last step, and its window without the evaluation
 
     def __call__(self, t: Training) -> bool:
-        if self.every and t.global_step % self.every == 0 and t.global_step != self.rows.end_step:
+        if self.every and t.progress.global_step % self.every == 0 and t.progress.global_step != self.rows.end_step:
             start = time.perf_counter()
             row = metrics_row(t, self.val_loader)
             improved = t.after_evaluation(row)
@@ -44,6 +44,6 @@ class StepEvaluations:
             self.folder.append(row)
             if improved or t.stopped_early:
                 self.checkpoints.save(t, also_best=improved)
-            log.info("step %d: %s%s", t.global_step, describe(row), " (early stop)" if t.stopped_early else "")
+            log.info("step %d: %s%s", t.progress.global_step, describe(row), " (early stop)" if t.stopped_early else "")
             self.rows.exclude(time.perf_counter() - start)
         return self.checkpoints.after_step(t) or t.stopped_early

@@ -20,6 +20,7 @@ import torch
 
 from ddp_tricks.distributed.collectives import gather_from_ranks
 from ddp_tricks.training.flops import peak_tflops as peak_of
+from ddp_tricks.training.meter import Packed
 from ddp_tricks.training.metric_states import report
 
 log = logging.getLogger("ddp_tricks")
@@ -147,14 +148,10 @@ class StepLog:
             yield batch
 
     def _start_window(self, t) -> None:
-        self._sums = t.epoch_sums.clone()
-        self._units = self._units_now(t).clone()
-        self._samples, self._step, self._wait = t.epoch_samples, t.global_step, 0.0
-        self._skipped = t.skipped_steps
+        self._sums, self._units = t.meter.sums.clone(), _units(t).clone()
+        self._samples, self._step, self._wait = t.meter.samples, t.progress.global_step, 0.0
+        self._skipped = t.progress.skipped_steps
         self._time = time.perf_counter()
-
-    def _units_now(self, t) -> torch.Tensor:
-        return torch.as_tensor(t.epoch_units, dtype=torch.float64, device=self.device).reshape(1)
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (a mid-epoch evaluation's) out of the window's time."""
@@ -174,64 +171,71 @@ class StepLog:
         self._grad_norm = norm.double() / t.precision.loss_scale()
 
     def write(self, t) -> dict:
-        """The row of the window ending now (every rank calls: one all-gather; rank 0's sinks write it)."""
+        """The row of the window ending now (every rank calls: one all-gather, the step's one host read, which also
+        carries the checks of the loss and of the steps without units: a failed check raises before the row is
+        written). Rank 0's sinks write it."""
         seconds, wait = time.perf_counter() - self._time, self._wait
-        units_now = self._units_now(t)
+        meter, units_now = t.meter, _units(t)
         norm = getattr(t.precision, "grad_norm", None) if t.clip_grad_norm > 0 else self._grad_norm
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's clipped norm
-        extra = [t.noise.corrected()] if t.noise is not None else []
-        extra.append(torch.full((1,), math.nan, dtype=torch.float64, device=self.device) if norm is None else norm)
         scale = t.precision.loss_scale()
-        one = torch.ones(1, dtype=torch.float64, device=self.device)
-        extra.append(scale.reshape(1) if isinstance(scale, torch.Tensor) else one)
-        host = [t.epoch_samples - self._samples, t.epoch_samples, seconds, wait]
-        mine = torch.cat(
-            [
-                (t.epoch_sums - self._sums).double(),
-                units_now - self._units,
-                units_now,
-                *(x.reshape(-1).double() for x in extra),
-                torch.tensor(host, dtype=torch.float64, device=self.device),
-            ]
+        bad = t.nonfinite_flag()
+        packed = Packed(
+            self.device,
+            sums=meter.sums - self._sums,
+            units=units_now - self._units,
+            epoch_units=units_now,
+            noise=t.noise.corrected() if t.noise is not None else [],
+            grad_norm=math.nan if norm is None else norm,
+            loss_scale=scale if isinstance(scale, torch.Tensor) else 1.0,
+            samples=float(meter.samples - self._samples),
+            epoch_samples=float(meter.samples),
+            seconds=seconds,
+            wait=wait,
+            nonfinite=[] if bad is None else bad,
+            empty_steps=meter.empty_steps,
         )
-        ranks = gather_from_ranks(mine).tolist()  # the row's one collective, and its one host read
-        row = self._row(t, ranks, 2 if t.noise is not None else 0)
+        ranks = [packed.named(r) for r in gather_from_ranks(packed.vector).tolist()]  # the row's one host read
+        if bad is not None:
+            t.raise_if_nonfinite(flags=[r["nonfinite"][0] for r in ranks])
+        meter.check_units(t.progress.epoch, empty=ranks[0]["empty_steps"][0])
+        row = self._row(t, ranks)
         for sink in self.sinks:
             sink.write(row)
         self._show(t, row)
         self._start_window(t)
         return row
 
-    def _row(self, t, ranks: list[list[float]], noise_parts: int) -> dict:
-        width = len(ranks[0]) - 4 - 2 - noise_parts - 2
-        total = [sum(column) for column in zip(*ranks)]
-        sums, units, units_epoch = total[:width], total[width], total[width + 1]
-        noise = total[width + 2 : width + 2 + noise_parts]
-        norm, scale = ranks[0][width + 2 + noise_parts : width + 4 + noise_parts]
-        samples, samples_epoch, _, _ = total[-4:]
-        steps = max(t.global_step - self._step, 1)
-        seconds = ranks[0][-2]
-        per_rank = {"step_seconds": [r[-2] / steps for r in ranks], "data_wait": [r[-1] for r in ranks]}
-        self.seen.update(epoch=t.epoch, epoch_samples=samples_epoch, epoch_units=units_epoch)
+    def _row(self, t, ranks: list[dict[str, list[float]]]) -> dict:
+        total = {name: [sum(column) for column in zip(*(r[name] for r in ranks))] for name in ranks[0]}
+        first = ranks[0]
+        (units,), (units_epoch,) = total["units"], total["epoch_units"]
+        (samples,), (samples_epoch,) = total["samples"], total["epoch_samples"]
+        noise = total["noise"]
+        steps = max(t.progress.global_step - self._step, 1)
+        seconds = first["seconds"][0]
+        per_rank = {"step_seconds": [r["seconds"][0] / steps for r in ranks]}
+        per_rank["data_wait"] = [r["wait"][0] for r in ranks]
+        self.seen.update(epoch=t.progress.epoch, epoch_samples=samples_epoch, epoch_units=units_epoch)
         tflops = self.flops_per_sample * samples / max(seconds, 1e-12) / self.world_size / 1e12
-        row = {"step": t.global_step, "epoch": t.epoch, "samples": round(self.seen["samples"] + samples_epoch),
-               "units": self.seen["units"] + units_epoch}  # fmt: skip
-        row |= report(t.task, t.sums_layout, "train", sums, units)
+        row = {"step": t.progress.global_step, "epoch": t.progress.epoch}
+        row |= {"samples": round(self.seen["samples"] + samples_epoch), "units": self.seen["units"] + units_epoch}
+        row |= report(t.task, t.sums_layout, "train", total["sums"], units)
         groups = t.optimizer.param_groups
         row |= {"lr": t.lr} | {f"lr_{name or i}": g["lr"] for i, (name, g) in enumerate(zip(self.group_names, groups))}
         row |= {
-            "grad_norm": norm,
-            "loss_scale": scale,
-            "skipped_steps": t.skipped_steps - self._skipped,
+            "grad_norm": first["grad_norm"][0],
+            "loss_scale": first["loss_scale"][0],
+            "skipped_steps": t.progress.skipped_steps - self._skipped,
             "samples_per_second": samples / max(seconds, 1e-12),
             "units_per_second": units / max(seconds, 1e-12),
             "step_seconds": seconds / steps,
-            "data_wait_seconds": ranks[0][-1],
-            "data_wait_share": ranks[0][-1] / max(seconds, 1e-12),
+            "data_wait_seconds": first["wait"][0],
+            "data_wait_share": first["wait"][0] / max(seconds, 1e-12),
             "flops_per_sample": self.flops_per_sample or math.nan,
             "tflops": tflops if self.flops_per_sample else math.nan,
             "mfu": tflops / self.peak_tflops if self.peak_tflops and self.flops_per_sample else math.nan,
-            "noise_scale": noise[0] / noise[1] if noise_parts and noise[1] > 0 else math.nan,
+            "noise_scale": noise[0] / noise[1] if noise and noise[1] > 0 else math.nan,
             "peak_memory_gib": peak_memory_gib(self.device),
         }
         for name, values in per_rank.items():
@@ -248,7 +252,7 @@ class StepLog:
         if not math.isnan(row["noise_scale"]):
             shown["noise_scale"] = f"{row['noise_scale']:.0f}"
         self._progress.set_postfix(**shown)
-        self._progress.update(t.step_in_epoch - self._progress.n)
+        self._progress.update(t.progress.step_in_epoch - self._progress.n)
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -270,3 +274,8 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type != "cuda":
         return math.nan
     return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def _units(t) -> torch.Tensor:
+    """The epoch's units so far on this rank, as a one-element float64 tensor on the device."""
+    return torch.as_tensor(t.meter.units, dtype=torch.float64, device=t.device).reshape(1)

@@ -1,0 +1,154 @@
+"""The epoch's meter: this rank's running sums by name (the loss x units, the task's metric sums, units, samples), fed
+one micro-batch at a time on the device and reduced once; and `Packed`, named tensors in one vector for one
+collective, read back by name (no caller splits a reduced vector by position).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddp_tricks.distributed.collectives import gather_to_host
+from ddp_tricks.errors import UserError
+from ddp_tricks.training.metric_states import Layout
+
+
+class Packed:
+    """Named tensors and host numbers flattened into one float64 vector on `device` (the tensors first, the numbers
+    after them as one tensor made from host data: one copy to the device); `named(values)` cuts a vector of that
+    layout (a reduced one, a gathered row) back into {name: list of floats}."""
+
+    def __init__(self, device: torch.device, **parts):
+        tensors, numbers, where = [], [], {}
+        for name, value in parts.items():
+            if isinstance(value, torch.Tensor):
+                where[name] = ("tensor", len(tensors), value.numel())
+                tensors.append(value.to(torch.float64).reshape(-1))
+            else:
+                values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
+                where[name] = ("number", len(numbers), len(values))
+                numbers.extend(values)
+        width = sum(t.numel() for t in tensors)
+        self.slices, at = {}, 0
+        for name, (kind, _, size) in where.items():
+            if kind == "tensor":
+                self.slices[name] = (at, size)
+                at += size
+        for name, (kind, first, size) in where.items():
+            if kind == "number":
+                self.slices[name] = (width + first, size)
+        if numbers:
+            tensors.append(torch.tensor(numbers, dtype=torch.float64, device=device))
+        self.vector = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.float64, device=device)
+
+    def named(self, values) -> dict[str, list[float]]:
+        values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+        return {name: values[at : at + size] for name, (at, size) in self.slices.items()}
+
+
+class EpochMeter:
+    """This rank's running sums of the epoch: `sums` = [loss x units, *the task's metric sums, flat] (float64, on the
+    device), `units` (the task's units(): a device tensor, or a number when units are samples), `samples`; and the
+    steps whose units were 0 on every rank (`empty_steps`, said at the next check). A checkpoint part: mid-epoch it
+    holds every rank's sums, which continue at any world size (their total on rank 0, zero on the others)."""
+
+    def __init__(self, layout: Layout, device: torch.device, rank: int = 0, world_size: int = 1):
+        self.layout = layout  # the task's metric sums, after the loss
+        self.device = device
+        self.rank, self.world_size = rank, world_size
+        self.sums: torch.Tensor | None = None  # None: no epoch started
+        self.units: float | torch.Tensor = 0.0
+        self.samples = 0
+        self.samples_at_start = 0  # a resumed epoch's samples before this process
+        self.empty_steps: int | torch.Tensor = 0
+        self.step_units: torch.Tensor | None = None  # the step's units over every rank (units())
+        self.open = False  # an epoch is under way: a checkpoint keeps its sums
+        self._resumed: torch.Tensor | None = None  # a checkpoint's row for this rank, until the epoch starts
+
+    @property
+    def width(self) -> int:
+        """The elements of `sums`: the loss, then the task's metric sums."""
+        return self.layout.width + 1
+
+    def start(self, resumed: bool = False) -> None:
+        """An epoch starts: from zero, or (`resumed`) from the checkpoint's sums that load_state_dict() kept."""
+        row = self._resumed if resumed and self._resumed is not None else None
+        self._resumed = None
+        if row is None:
+            row = torch.zeros(self.width + 2, dtype=torch.float64)
+        row = row.cpu()
+        self.sums = row[: self.width].to(self.device, copy=True)
+        self.units = float(row[self.width])
+        self.samples = self.samples_at_start = int(row[self.width + 1])
+        self.open = True
+
+    def add(self, row: torch.Tensor, units, samples: int) -> None:
+        """A micro-batch's [loss x units, *metric sums] (device), its units and its samples."""
+        self.sums += row
+        self.units += units
+        self.samples += samples
+
+    def count_empty(self, step_units: torch.Tensor) -> None:
+        """The step's units over every rank (all-reduced): a step with none is said at the next check."""
+        self.step_units = step_units
+        self.empty_steps += step_units == 0
+
+    def close(self) -> None:
+        """The epoch is done: its sums are no longer a checkpoint's."""
+        self.open = False
+
+    def packed(self, **more) -> Packed:
+        """The sums, units and samples by name (then `more`), in one vector for one collective."""
+        return Packed(self.device, sums=self.sums, units=self.units, samples=float(self.samples), **more)
+
+    @property
+    def loss_finite(self) -> torch.Tensor:
+        """Whether this rank's epoch loss is finite (a device bool: no sync)."""
+        return torch.isfinite(self.sums[0])
+
+    @property
+    def units_per_sample(self) -> float:
+        """This rank's units per sample so far (1 for a task that counts samples; a host read of a device count
+        otherwise: never in a step)."""
+        return float(self.units) / self.samples if self.samples else 1.0
+
+    def check_units(self, epoch: int, empty: float | None = None) -> None:
+        """A step whose micro-batches held no unit on any rank (units() gave 0 everywhere) trains on nothing: a user
+        error, on every rank together (the count was all-reduced). A host read, unless `empty` is the count read
+        already (a step row's)."""
+        if empty is None:
+            empty = self.empty_steps.item() if isinstance(self.empty_steps, torch.Tensor) else self.empty_steps
+        if empty > 0:
+            raise UserError(
+                f"{int(empty)} optimizer step(s) so far in epoch {epoch} held no units: the "
+                "task's units() gave 0 for every micro-batch of the step on every rank; every step needs at least one "
+                "unit (a real token, pixel or sample): check units() and the data"
+            )
+
+    def state_dict(self) -> torch.Tensor | None:
+        """Mid-epoch, every rank's [sums, units, samples] (a collective: every rank calls); None between epochs."""
+        if not self.open or self.sums is None:
+            return None
+        return gather_to_host(self.packed().vector)
+
+    def load_state_dict(self, state: torch.Tensor | None) -> None:
+        """Keep this rank's share of a checkpoint's rows for the resumed epoch's start: its own row at the same world
+        size, else their total on rank 0 and zero on the others (sums add up over the ranks of any world size)."""
+        self._resumed = None if state is None else resume_rows(state, self.rank, self.world_size)
+
+
+def resume_rows(saved: torch.Tensor, rank: int, world_size: int, mean: bool = False) -> torch.Tensor:
+    """This rank's share of a checkpoint's per-rank rows (one per rank that wrote it): its own row at the same world
+    size; else running sums (`mean` False) continue from their total on rank 0 and from zero on the others, and
+    averages (`mean`) from their mean on every rank."""
+    if len(saved) == world_size:
+        return saved[rank]
+    if mean:
+        return saved.mean(0)
+    return saved.sum(0) if rank == 0 else torch.zeros_like(saved[0])
+
+
+def nan_row(device: torch.device) -> torch.Tensor:
+    """One NaN: a value a row lacks (no gradient norm measured)."""
+    return torch.full((1,), math.nan, dtype=torch.float64, device=device)
