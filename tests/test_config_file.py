@@ -89,6 +89,35 @@ def test_config_json_holds_the_file_path_and_the_resolved_flags(tmp_path):
     )
 
 
+def test_a_typed_max_steps_replaces_the_files_epochs(tmp_path):
+    # every recipe sets `epochs`: a run of one counted in steps types --max-steps, which replaces it
+    cfg, _ = config.parse(["--config", str(RECIPES / "digits-lars.toml"), "--max-steps", "20"])
+    assert (cfg.max_steps, cfg.optimizer) == (20, "lars")
+    path = _write(tmp_path, "epochs = 4\nbase-lr = 0.1\n")
+    argv = ["--config", str(path), "--max-steps", "3", "-b", "256", "-n", "r", "--runs-dir", str(tmp_path / "runs"),
+            "--no-progress", "--log-interval", "0"]  # fmt: skip
+    assert run.main(argv) == 0
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
+    # 1,438 digits in steps of 256: 6 a epoch, so 3 steps are one epoch (the file's 4 are not used, nor recorded)
+    assert (saved["max_steps"], saved["epochs"], saved["total_steps"]) == (3, 1, 3)
+    with open(tmp_path / "runs" / "r" / "metrics.csv") as f:
+        assert len(f.read().strip().splitlines()) == 2  # the header and one epoch
+
+
+def test_a_typed_epochs_replaces_the_files_max_steps(tmp_path):
+    cfg, _ = config.parse(["--config", str(_write(tmp_path, "max-steps = 30\n")), "-e", "2"])
+    assert (cfg.epochs, cfg.max_steps) == (2, 0)
+
+
+def test_a_file_that_sets_both_lengths_is_refused(tmp_path, capsys):
+    path = _write(tmp_path, "epochs = 2\nmax-steps = 30\n")
+    assert run.main(["--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --config {path}, key 'max-steps': --max-steps sets the run's length in place of --epochs: "
+        "give one of them"
+    ]
+
+
 # file text -> the message after `error: --config FILE` (FILE stands for the file's path)
 BAD_FILES = {
     "not TOML": ("epochs = \n", " is not valid TOML (Invalid value (at line 1, column 10))"),
