@@ -84,6 +84,25 @@ def test_tensorboard_holds_the_rows_at_their_global_steps(two_ranks):
         assert all(math.isclose(s.value, float(r[name]), rel_tol=1e-6) for s, r in zip(scalars, rows)), name
 
 
+@pytest.mark.timeout(240)
+def test_tensorboard_s_tags_are_steps_csv_s_columns(tmp_path):
+    """One parameter group: the row's `lr_0` is no column of steps.csv (only `lr` says it), nor a tag. Broken on
+    purpose: TensorBoardRows writing every numeric field of the row fails it (a `steps/lr_0` tag)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ["-e", "1", "-b", "256", "--log-interval", "2", "--tensorboard", "--no-progress"]
+    result = python_run([*args, "--runs-dir", str(tmp_path), "-n", "run"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "run" / "steps.csv", newline="") as f:
+        columns = next(csv.reader(f))
+    rows = rows_of(tmp_path / "run" / "steps.csv")
+    events = EventAccumulator(str(tmp_path / "run" / "tb" / "steps"))
+    events.Reload()
+    valued = [c for c in columns[1:] if any(not math.isnan(float(r[c])) for r in rows)]  # TensorBoard leaves NaN out
+    assert "lr" in valued and not any(c.startswith("lr_") for c in columns)
+    assert sorted(events.Tags()["scalars"]) == sorted(f"steps/{c}" for c in valued)
+
+
 def count_plainly(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
     """One forward and backward of `model` with cross-entropy, on real tensors, under FlopCounterMode."""
     with FlopCounterMode(display=False) as counter:
