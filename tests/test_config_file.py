@@ -371,6 +371,28 @@ def test_the_sweep_runs_each_recipe_at_each_batch_and_seed(tmp_path, monkeypatch
     assert seen == [(("lamb", 0.03, 3, b, s)) for b in (32, 256) for s in (1, 2)]
 
 
+def test_the_sweep_gives_each_recipe_its_own_table_as_the_docs_say(tmp_path, monkeypatch):
+    """Each recipe is one label, as each optimizer is: a table of its own (a batch a line) and a line of the figure.
+    Broken on purpose: docs/tools.md's old "makes each recipe file one table line" fails it."""
+    sweep, _ = recording_sweep(monkeypatch)
+    handed = []
+    monkeypatch.setattr(sweep, "over_seeds", lambda runs: {"batch": 0, "lr": 0.1, "value": 1.0, "best": 1.0,
+                                                            "seconds": 1.0, "wall": 1.0, "runs": 1})  # fmt: skip
+    monkeypatch.setattr(sweep, "write_results", lambda out, results, *a: handed.append(results))
+    paths = [_write(tmp_path, f'optimizer = "{name}"\n', f"{name}.toml") for name in ("sgd", "lamb")]
+    argv = ["--recipes", *map(str, paths), "--batch-sizes", "64", "512", "--out", str(tmp_path / "out")]
+    assert sweep.main(argv) == 0
+    (results,) = handed
+    assert {label: len(cells) for label, cells in results.items()} == {"sgd": 2, "lamb": 2}
+    metric = {"title": "top-1 accuracy", "unit": "%", "better": "max"}
+    load_sweep().write_results(tmp_path, results, "python tools/sweep.py ...", metric)  # the real one
+    text = (tmp_path / "results.md").read_text()
+    assert text.count("| Batch |") == 2 and "## sgd" in text and "## lamb" in text
+    said = (REPO / "docs" / "tools.md").read_text() + sweep.__doc__
+    assert "gives each recipe file its own table" in said and "one table line" not in said
+    assert "one line of the table" not in said
+
+
 def test_the_sweep_refuses_recipes_with_optimizer_flags(tmp_path, capsys):
     sweep = load_sweep()
     path = _write(tmp_path, 'optimizer = "lamb"\n')
