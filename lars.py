@@ -270,7 +270,7 @@ def create_optimizer_lars(
     With ``bn_bias_separately``, every parameter of a normalisation layer and every bias goes into a group
     with ``lars=False`` and ``weight_decay=0``; the rest into a LARS group with ``weight_decay``.
     """
-    return LARS(
+    return lars_over(
         parameter_groups(model, weight_decay, bn_bias_separately),
         lr=lr,
         momentum=momentum,
@@ -279,6 +279,26 @@ def create_optimizer_lars(
         eps=epsilon,
         nesterov=nesterov,
     )
+
+
+def lars_over(
+    target: Iterable | Optimizer,
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    trust_coefficient: float,
+    eps: float,
+    nesterov: bool,
+) -> Optimizer:
+    """One set of LARS settings made an optimizer: `LARS` over `target`'s parameters or groups, or, where `target` is
+    an optimizer, `LARSWrapper` around it (the trust ratio's settings only: the base keeps its own LR, momentum and
+    weight decay). The one place they are handed on: `create_optimizer_lars` and the run's optimizer
+    (ddp_tricks/optim/build.py, `--optimizer lars` and `--lars-wrap` alike) build through it."""
+    if isinstance(target, Optimizer):
+        return LARSWrapper(target, trust_coefficient=trust_coefficient, eps=eps)
+    return LARS(target, lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                eps=eps, nesterov=nesterov)  # fmt: skip
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, bn_bias_separately: bool) -> list[dict[str, Any]]:

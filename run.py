@@ -173,7 +173,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
             return failures.PREEMPTED
     if t.rank == 0:
         heartbeat.phase("figures")  # long work on rank 0 alone: not a hang
-        plots.curves(folder.path, [], plan.steps_per_epoch)
+        plots.curves(folder.path)  # the LR from steps.csv: whole after a resume, in epochs when traced
     log.info(t.describe_steps())
     log.info(t.best.describe(folder.path))
     return 0

@@ -190,6 +190,7 @@ class Plan:
             "effective_lr": self.lr,
             "steps_per_epoch": self.steps_per_epoch,
             "total_steps": self.total_steps,
+            "epochs": self.epochs,  # with --max-steps, those its steps need (not --epochs')
             "train_samples": self.num_train,
             "lr_power": self.lr_power,
             "step_size": self.step_size,

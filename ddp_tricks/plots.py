@@ -1,5 +1,5 @@
-"""Matplotlib figures of runs, drawn headless from their metrics.csv: the task's metrics and the LR per epoch, the
-LR schedule, several runs overlaid, a metric against the batch size."""
+"""Matplotlib figures of runs, drawn headless from their metrics.csv and steps.csv: the task's metrics per epoch and
+the LR per step, the LR schedule, several runs overlaid, a metric against the batch size."""
 
 from __future__ import annotations
 
@@ -37,14 +37,40 @@ def read_metrics(run_dir: str | Path, name: str = "metrics.csv") -> list[dict[st
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
-def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None, steps_per_epoch: int = 0) -> Path:
+def epoch_positions(rows: list[dict[str, float]], steps_per_epoch: int = 0) -> list[float]:
+    """Where each steps.csv row is in epochs (2.5: half-way through the second), from the rows: an epoch ends at its
+    last row (each epoch's last step writes one) and begins where the one before ended, so a traced epoch's steps
+    count as they are. The run's last epoch may end early (--max-steps, early stopping): it is `steps_per_epoch`
+    long where that is known (an untraced run: config.json's), else as long as its rows."""
+    ends: dict[int, float] = {}
+    firsts: dict[int, float] = {}
+    for row in rows:
+        epoch = int(row["epoch"])
+        ends[epoch] = max(ends.get(epoch, 0.0), row["step"])
+        firsts[epoch] = min(firsts.get(epoch, math.inf), row["step"])
+    last = max(ends, default=0)
+    positions = []
+    for row in rows:
+        epoch = int(row["epoch"])
+        # where the epoch before ended; without its rows, just before this epoch's first
+        start = ends.get(epoch - 1, 0.0 if epoch == 1 else firsts[epoch] - 1)
+        length = ends[epoch] - start
+        if epoch == last and steps_per_epoch:
+            length = max(length, steps_per_epoch)
+        positions.append(epoch - 1 + (row["step"] - start) / max(length, 1.0))
+    return positions
+
+
+def curves(run_dir: str | Path) -> Path:
     """Write run_dir/curves.png: one panel per reported metric (train and validation against epoch, and the EMA
-    weights' validation with --model-ema; the loss first), and the LR (per step too, when traced). The panels follow
-    metrics.csv's columns, i.e. the task, titled as the task shows them (its `shown_as`, kept in the run's
-    config.json)."""
+    weights' validation with --model-ema; the loss first), and the LR: at each epoch's end (metrics.csv), and at each
+    steps.csv row, placed in epochs by `epoch_positions` (no line without steps.csv: --log-interval 0, said on the
+    panel). The files hold the whole run, a resumed one's too. The panels follow metrics.csv's columns, i.e. the
+    task, titled as the task shows them (its `shown_as`, kept in the run's config.json)."""
     rows = read_metrics(run_dir)
-    config = Path(run_dir) / "config.json"
-    shown = json.loads(config.read_text()).get("task_metrics", {}) if config.is_file() else {}
+    config_file = Path(run_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    shown = config.get("task_metrics", {})
     epochs = [r["epoch"] for r in rows]
     names = list(
         dict.fromkeys(
@@ -71,10 +97,13 @@ def curves(run_dir: str | Path, lr_trace: list[tuple[int, float]] | None = None,
         ax_noise.set(title="gradient noise scale", xlabel="epoch", ylabel="samples", yscale="log")
     ax_lr = axes[len(names)]
     ax_lr.plot(epochs, [r["lr"] for r in rows], "o", label="end of epoch")
-    if lr_trace and steps_per_epoch:
-        ax_lr.plot([step / steps_per_epoch for step, _ in lr_trace], [lr for _, lr in lr_trace], "-", lw=1,
-                   label="per optimizer step")  # fmt: skip
-    ax_lr.set(title="learning rate", xlabel="epoch", ylabel="learning rate")
+    title = "learning rate"
+    if steps:
+        untraced = config.get("steps_per_epoch", 0) if not config.get("batch_trace") else 0
+        ax_lr.plot(epoch_positions(steps, untraced), [r["lr"] for r in steps], "-", lw=1, label="steps.csv rows")
+    else:
+        title += " (per step: no steps.csv, --log-interval 0)"
+    ax_lr.set(title=title, xlabel="epoch", ylabel="learning rate")
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)

@@ -89,6 +89,35 @@ def test_config_json_holds_the_file_path_and_the_resolved_flags(tmp_path):
     )
 
 
+def test_a_typed_max_steps_replaces_the_files_epochs(tmp_path):
+    # every recipe sets `epochs`: a run of one counted in steps types --max-steps, which replaces it
+    cfg, _ = config.parse(["--config", str(RECIPES / "digits-lars.toml"), "--max-steps", "20"])
+    assert (cfg.max_steps, cfg.optimizer) == (20, "lars")
+    path = _write(tmp_path, "epochs = 4\nbase-lr = 0.1\n")
+    argv = ["--config", str(path), "--max-steps", "3", "-b", "256", "-n", "r", "--runs-dir", str(tmp_path / "runs"),
+            "--no-progress", "--log-interval", "0"]  # fmt: skip
+    assert run.main(argv) == 0
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
+    # 1,438 digits in steps of 256: 6 a epoch, so 3 steps are one epoch (the file's 4 are not used, nor recorded)
+    assert (saved["max_steps"], saved["epochs"], saved["total_steps"]) == (3, 1, 3)
+    with open(tmp_path / "runs" / "r" / "metrics.csv") as f:
+        assert len(f.read().strip().splitlines()) == 2  # the header and one epoch
+
+
+def test_a_typed_epochs_replaces_the_files_max_steps(tmp_path):
+    cfg, _ = config.parse(["--config", str(_write(tmp_path, "max-steps = 30\n")), "-e", "2"])
+    assert (cfg.epochs, cfg.max_steps) == (2, 0)
+
+
+def test_a_file_that_sets_both_lengths_is_refused(tmp_path, capsys):
+    path = _write(tmp_path, "epochs = 2\nmax-steps = 30\n")
+    assert run.main(["--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --config {path}, key 'max-steps': --max-steps sets the run's length in place of --epochs: "
+        "give one of them"
+    ]
+
+
 # file text -> the message after `error: --config FILE` (FILE stands for the file's path)
 BAD_FILES = {
     "not TOML": ("epochs = \n", " is not valid TOML (Invalid value (at line 1, column 10))"),
@@ -340,6 +369,28 @@ def test_the_sweep_runs_each_recipe_at_each_batch_and_seed(tmp_path, monkeypatch
         seen.append((cfg.optimizer, cfg.base_lr, cfg.epochs, cfg.batch_size, cfg.seed))
     assert names == ["flags-b64-s1", "flags-b64-s2", "flags-b512-s1", "flags-b512-s2"]
     assert seen == [(("lamb", 0.03, 3, b, s)) for b in (32, 256) for s in (1, 2)]
+
+
+def test_the_sweep_gives_each_recipe_its_own_table_as_the_docs_say(tmp_path, monkeypatch):
+    """Each recipe is one label, as each optimizer is: a table of its own (a batch a line) and a line of the figure.
+    Broken on purpose: docs/tools.md's old "makes each recipe file one table line" fails it."""
+    sweep, _ = recording_sweep(monkeypatch)
+    handed = []
+    monkeypatch.setattr(sweep, "over_seeds", lambda runs: {"batch": 0, "lr": 0.1, "value": 1.0, "best": 1.0,
+                                                            "seconds": 1.0, "wall": 1.0, "runs": 1})  # fmt: skip
+    monkeypatch.setattr(sweep, "write_results", lambda out, results, *a: handed.append(results))
+    paths = [_write(tmp_path, f'optimizer = "{name}"\n', f"{name}.toml") for name in ("sgd", "lamb")]
+    argv = ["--recipes", *map(str, paths), "--batch-sizes", "64", "512", "--out", str(tmp_path / "out")]
+    assert sweep.main(argv) == 0
+    (results,) = handed
+    assert {label: len(cells) for label, cells in results.items()} == {"sgd": 2, "lamb": 2}
+    metric = {"title": "top-1 accuracy", "unit": "%", "better": "max"}
+    load_sweep().write_results(tmp_path, results, "python tools/sweep.py ...", metric)  # the real one
+    text = (tmp_path / "results.md").read_text()
+    assert text.count("| Batch |") == 2 and "## sgd" in text and "## lamb" in text
+    said = (REPO / "docs" / "tools.md").read_text() + sweep.__doc__
+    assert "gives each recipe file its own table" in said and "one table line" not in said
+    assert "one line of the table" not in said
 
 
 def test_the_sweep_refuses_recipes_with_optimizer_flags(tmp_path, capsys):

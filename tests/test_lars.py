@@ -362,3 +362,32 @@ def test_create_optimizer_lars_puts_norms_and_biases_in_a_plain_group():
     assert sorted(everything) == sorted(id(p) for p in model.parameters())  # each exactly once
     single = create_optimizer_lars(model, lr=0.1, bn_bias_separately=False)
     assert len(single.param_groups) == 1 and len(single.param_groups[0]["params"]) == len(everything)
+
+
+def test_every_lars_the_run_or_the_factory_builds_takes_its_settings_through_one_helper(monkeypatch):
+    """lars.lars_over hands LARS's settings on, for create_optimizer_lars, --optimizer lars and --lars-wrap alike, and
+    what each builds holds them. Broken on purpose: a call that builds LARS or LARSWrapper itself again (as build.py
+    and create_optimizer_lars did) fails it (that call never reaches the helper)."""
+    import inspect
+
+    import lars
+    from ddp_tricks.optim import build as optimizers
+
+    model, made, helper = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), [], lars.lars_over
+    monkeypatch.setattr(lars, "lars_over", lambda target, **kw: made.append((target, kw)) or helper(target, **kw))
+    settings = {"momentum": 0.8, "weight_decay": 1e-3, "trust_coefficient": 0.02, "eps": 1e-6, "nesterov": True}
+    but_eps = {k: v for k, v in settings.items() if k != "eps"}
+    factory = lars.create_optimizer_lars(model, lr=0.5, epsilon=1e-6, **but_eps)
+    run = optimizers.build(model, "lars", lr=0.5, bn_bias_separately=True, **settings)
+    wrapped = optimizers.build(model, "sgd", lr=0.5, lars_wrap=True, **settings)
+    assert [type(optimizer).__name__ for optimizer in (factory, run, wrapped)] == ["LARS", "LARS", "LARSWrapper"]
+    assert len(made) == 3 and all(kw == {"lr": 0.5, **settings} for _, kw in made)
+    for optimizer in (factory, run):
+        assert {k: optimizer.defaults[k] for k in settings} == settings
+    assert (wrapped.trust_coefficient, wrapped.eps) == (0.02, 1e-6)
+    assert wrapped.optimizer.defaults["momentum"] == 0.8 and wrapped.optimizer.defaults["nesterov"] is True
+    # the public signatures, as the original LARS project's code calls them
+    assert list(inspect.signature(lars.create_optimizer_lars).parameters) == [
+        "model", "lr", "momentum", "weight_decay", "bn_bias_separately", "epsilon", "trust_coefficient", "nesterov"
+    ]  # fmt: skip
+    assert list(inspect.signature(lars.LARSWrapper).parameters) == ["optimizer", "trust_coefficient", "eps"]

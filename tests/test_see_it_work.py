@@ -105,6 +105,76 @@ def test_plot_lr_draws_the_schedule_training_then_follows(tmp_path):
         assert float(row["lr"]) == pytest.approx(planned[int(row["step"]) + 1], rel=1e-12)
 
 
+def _lr_line(monkeypatch, argv: list[str]) -> tuple[list[float], list[float]]:
+    """run.main(argv) in this process, and the per-step line of its curves.png's learning-rate panel (x, y)."""
+    import run
+    from ddp_tricks import plots
+
+    figures, make = [], plots._figure
+    monkeypatch.setattr(plots, "_figure", lambda **kw: figures.append(make(**kw)) or figures[-1])
+    assert run.main(argv) == 0
+    (ax,) = [ax for ax in figures[-1].axes if ax.get_title().startswith("learning rate")]
+    (line,) = [line for line in ax.get_lines() if line.get_label() != "end of epoch"]  # the per-step one
+    return list(line.get_xdata()), list(line.get_ydata())
+
+
+def _steps_csv(folder) -> list[dict]:
+    with open(folder / "steps.csv", newline="") as f:
+        return [{"step": int(r["step"]), "epoch": int(r["epoch"]), "lr": float(r["lr"])} for r in csv.DictReader(f)]
+
+
+@pytest.mark.timeout(240)
+def test_curves_draw_the_lr_of_a_resumed_run_from_its_first_step(tmp_path, monkeypatch):
+    """The LR panel is drawn from steps.csv, which a resumed run continues. Broken on purpose: the panel drawn from
+    the process's own list of LRs (run.py's old `plots.curves(folder.path, t.lr_log, ...)`) fails it: its line
+    starts at the resume, at epoch 1."""
+    flags = ["-b", "256", "--log-interval", "2", "--warmup-epochs", "0.5", "--no-progress", "--runs-dir",
+             str(tmp_path), "-n", "r"]  # fmt: skip
+    import run
+
+    assert run.main([*flags, "-e", "1"]) == 0
+    x, y = _lr_line(monkeypatch, [*flags, "-e", "2", "--resume", "auto"])
+    rows = _steps_csv(tmp_path / "r")
+    steps_per_epoch = max(r["step"] for r in rows if r["epoch"] == 1)  # 1,438 digits in steps of 256: 6
+    assert [r["step"] for r in rows] == [1, 2, 4, 6, 8, 10, 12]  # every 2nd, the first and each epoch's last
+    assert x[0] == pytest.approx(1 / steps_per_epoch)  # from step 1, not from the resume
+    assert x == pytest.approx([r["step"] / steps_per_epoch for r in rows])
+    assert y == [r["lr"] for r in rows]
+
+
+@pytest.mark.timeout(240)
+def test_curves_place_a_traced_run_s_lr_in_its_own_epochs(tmp_path, monkeypatch):
+    """A traced epoch's steps are as many as its batches need: each epoch's last row sits at that epoch's end, the
+    run's last at its last epoch. Broken on purpose: the old x of step / a fixed steps-per-epoch fails it (the run
+    ends before its last epoch)."""
+    trace = str(REPO / "examples" / "traces" / "doubling.csv")
+    argv = ["--batch-trace", trace, "-e", "3", "--log-interval", "5", "--no-progress", "--runs-dir", str(tmp_path),
+            "-n", "t"]  # fmt: skip
+    x, y = _lr_line(monkeypatch, argv)
+    rows = _steps_csv(tmp_path / "t")
+    ends = [max(r["step"] for r in rows if r["epoch"] == e) for e in (1, 2, 3)]
+    assert ends[1] - ends[0] != ends[0] or ends[2] - ends[1] != ends[0]  # epochs of different lengths in steps
+    starts = [0, *ends[:2]]
+    expected = [r["epoch"] - 1 + (r["step"] - starts[r["epoch"] - 1]) / (ends[r["epoch"] - 1] - starts[r["epoch"] - 1])
+                for r in rows]  # fmt: skip
+    assert x[-1] == 3.0 and x == pytest.approx(expected)
+    assert [x[[r["step"] for r in rows].index(end)] for end in ends] == [1.0, 2.0, 3.0]
+    assert y == [r["lr"] for r in rows]
+
+
+def test_curves_without_steps_csv_say_the_lr_has_no_per_step_line(tmp_path, monkeypatch):
+    """--log-interval 0 writes no steps.csv: the LR panel keeps the epochs' ends and says why there is no line."""
+    from ddp_tricks import plots
+
+    (tmp_path / "metrics.csv").write_text("epoch,step,train_loss,val_loss,lr\n1,6,2.0,1.9,0.1\n2,12,1.5,1.4,0.05\n")
+    figures, make = [], plots._figure
+    monkeypatch.setattr(plots, "_figure", lambda **kw: figures.append(make(**kw)) or figures[-1])
+    assert _png(plots.curves(tmp_path))
+    (ax,) = [ax for ax in figures[0].axes if ax.get_title().startswith("learning rate")]
+    assert ax.get_title() == "learning rate (per step: no steps.csv, --log-interval 0)"
+    assert [line.get_label() for line in ax.get_lines()] == ["end of epoch"]
+
+
 def test_idx_files_are_read_and_split(tmp_path):
     images = torch.randint(0, 256, (50, 28, 28), dtype=torch.uint8)
     labels = torch.arange(50, dtype=torch.uint8) % 10

@@ -84,6 +84,43 @@ def test_tensorboard_holds_the_rows_at_their_global_steps(two_ranks):
         assert all(math.isclose(s.value, float(r[name]), rel_tol=1e-6) for s, r in zip(scalars, rows)), name
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A one-process run of one parameter group with TensorBoard: its folder."""
+    runs = tmp_path_factory.mktemp("one-rank")
+    args = ["-e", "1", "-b", "256", "--log-interval", "2", "--tensorboard", "--no-progress"]
+    result = python_run([*args, "--runs-dir", str(runs), "-n", "run"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return runs / "run"
+
+
+@pytest.mark.timeout(240)
+def test_tensorboard_s_tags_are_steps_csv_s_columns(one_rank):
+    """One parameter group: the row's `lr_0` is no column of steps.csv (only `lr` says it), nor a tag. Broken on
+    purpose: TensorBoardRows writing every numeric field of the row fails it (a `steps/lr_0` tag)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(one_rank / "steps.csv", newline="") as f:
+        columns = next(csv.reader(f))
+    rows = rows_of(one_rank / "steps.csv")
+    events = EventAccumulator(str(one_rank / "tb" / "steps"))
+    events.Reload()
+    valued = [c for c in columns[1:] if any(not math.isnan(float(r[c])) for r in rows)]  # TensorBoard leaves NaN out
+    assert "lr" in valued and not any(c.startswith("lr_") for c in columns)
+    assert sorted(events.Tags()["scalars"]) == sorted(f"steps/{c}" for c in valued)
+
+
+@pytest.mark.timeout(240)
+def test_docs_say_nan_where_steps_csv_holds_it(one_rank):
+    """On the CPU, one process: no MFU, no CUDA memory, no noise scale, each `nan` in the file, as docs/steps.md says.
+    Broken on purpose: the page's old "the column is empty" fails it."""
+    rows = rows_of(one_rank / "steps.csv")
+    assert {r[c] for r in rows for c in ("mfu", "peak_memory_gib", "noise_scale")} == {"nan"}
+    page = (REPO / "docs" / "steps.md").read_text()
+    assert "the column holds `nan`" in page and "(`nan` on the CPU)" in page and "measured (else `nan`)" in page
+    assert "empty" not in page
+
+
 def count_plainly(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
     """One forward and backward of `model` with cross-entropy, on real tensors, under FlopCounterMode."""
     with FlopCounterMode(display=False) as counter:

@@ -9,10 +9,11 @@ original LARS project's table shape), accuracy_vs_batch.png and every cell's cur
 Each optimizer has its LR at --ref-batch-size (--base-lr sgd=0.05 lars=2.0) and its scaling rule with the
 global batch (--lr-scaling sgd=linear lars=sqrt). `--config FILE.toml` gives every cell run.py's flags from a
 file; the sweep's own flags for each cell (optimizer, batch, LR, scaling, epochs, warmup) and those after `--`
-override it. `--recipes A.toml B.toml` instead makes each file one line of the table: the file says everything
-(optimizer, LR and its scaling rule, schedule, epochs); the sweep sets only the global batch (split evenly over
---nproc processes), the seed, and --epochs / --warmup-epochs when given. Cells: DIR/cells/<optimizer or recipe
-name>-b<batch>[-s<seed>]/ (run folders). Every cell's flags are checked before the first cell starts.
+override it. `--recipes A.toml B.toml` instead gives each file a table of its own (and a line of the figure), as
+--optimizers does each optimizer: the file says everything (optimizer, LR and its scaling rule, schedule, epochs);
+the sweep sets only the global batch (split evenly over --nproc processes), the seed, and --epochs /
+--warmup-epochs when given. Cells: DIR/cells/<optimizer or recipe name>-b<batch>[-s<seed>]/ (run folders). Every
+cell's flags are checked before the first cell starts.
 """
 
 from __future__ import annotations
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also tabulate the optimizer steps and samples until the metric first reaches VALUE "
                              "(in the tables' unit, e.g. 98 for 98 %%)")  # fmt: skip
     parser.add_argument("--recipes", nargs="+", default=None, metavar="FILE.toml",
-                        help="one table line per file, which says everything but the batch and the seed")  # fmt: skip
+                        help="one table (and one line of the figure) per file, which says everything but the batch and "
+                             "the seed")  # fmt: skip
     args = parser.parse_args(argv)
     if args.recipes and (args.config or args.base_lr or args.lr_scaling or "--optimizers" in argv):
         print("error: --recipes files give each line's optimizer and LR: drop --optimizers, --config, --base-lr "

@@ -93,12 +93,15 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, type]:
     cfg.base_lr_default = cfg.base_lr is None  # neither typed nor in the file: the optimizer's own
     if cfg.base_lr_default:
         cfg.base_lr = optim.default_lr(cfg.optimizer, cfg.lars_wrap)
+    replaced: set[str] = set()  # the file's `epochs` where --max-steps is typed: not used, not given
     if path:
         typed = given_flags(parser, argv)
-        from_file = [action for action in parser._actions if action.dest in file_keys and action.dest not in typed]
+        replaced = config_file.replaced_by_typed(cfg, parser, file_keys, typed)
+        kept = set(file_keys) - typed - replaced
+        from_file = [action for action in parser._actions if action.dest in kept]
         config_file.remember(path, {option: file_keys[a.dest] for a in from_file for option in a.option_strings})
     try:
-        check(cfg, parser, given_flags(parser, file_argv + argv))
+        check(cfg, parser, given_flags(parser, file_argv + argv) - replaced)
         cfg.monitor = monitored_metric(task_class, cfg.monitor, ema=cfg.model_ema is not None)
     except UserError as error:
         raise blame(error) from None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 
 from ddp_tricks import schedules
 from ddp_tricks.cli.step_flags import check_step_flags
@@ -169,7 +168,7 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
             "--sync-bn cannot work with --batch-trace: a traced step gives the ranks different numbers of "
             "micro-batches (an idle rank none), and SyncBatchNorm needs every rank in each forward; drop one of them"
         )
-    if cfg.sync_bn and _launch_world_size() > 1 and _runs_on_cpu(cfg):
+    if cfg.sync_bn and _runs_on_cpu(cfg):  # one process too: there it would be dropped without a word
         raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")
     if cfg.strategy == "fsdp":
         _check_fsdp(cfg)
@@ -193,10 +192,6 @@ def _check_auto_batch(cfg: argparse.Namespace) -> None:
             "--batch-trace auto takes --batch-lr-rule linear, root or none (LARS/LAMB's trust ratios): AdaScale's "
             "schedule counts steps, which a batch chosen as the run goes cannot say ahead"
         )
-
-
-def _launch_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _runs_on_cpu(cfg: argparse.Namespace) -> bool:

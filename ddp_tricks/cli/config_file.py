@@ -36,6 +36,27 @@ def blame(error: UserError) -> UserError:
     return error
 
 
+# Flags that set one thing in two ways: the run's length in epochs or in optimizer steps. A recipe sets `epochs`; the
+# other one typed on the command line replaces it, as a typed flag overrides the file's.
+ALTERNATIVES = (("epochs", "max_steps"),)
+
+
+def replaced_by_typed(
+    cfg: argparse.Namespace, parser: argparse.ArgumentParser, file_keys: dict[str, str], typed: set[str]
+) -> set[str]:
+    """The destinations the file set whose alternative the command line types (`ALTERNATIVES`): each is set back to
+    its default in `cfg`, as if the file had not set it, and returned, so that no check counts it as given."""
+    replaced = set()
+    for alternatives in ALTERNATIVES:
+        if typed.isdisjoint(alternatives):
+            continue
+        for dest in alternatives:
+            if dest in file_keys and dest not in typed:
+                setattr(cfg, dest, parser.get_default(dest))
+                replaced.add(dest)
+    return replaced
+
+
 def read_config(path: str) -> dict:
     """The TOML table of a config file; a missing, unreadable or malformed file is a UserError."""
     try:

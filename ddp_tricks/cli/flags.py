@@ -428,7 +428,7 @@ def _early_stopping_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def _ddp_performance_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm before DDP")
+    g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm before DDP (CUDA only)")
     g.add_argument(
         "--precise-bn",
         type=int,

@@ -8,7 +8,6 @@ is the wrapped DataLoader's; a batch made outside the loader (loaders.batch_of) 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -18,12 +17,11 @@ from ddp_tricks.errors import UserError
 
 
 class Feed:
-    """`loader`'s (inputs, targets) batches with the inputs finished on `device` by `finish(inputs, device)`; `waited`
-    counts the seconds spent waiting on the loader (its workers) for a batch."""
+    """`loader`'s (inputs, targets) batches with the inputs finished on `device` by `finish(inputs, device)`. The time
+    spent waiting on the loader (its workers) is the step log's to count: it times each `next()` of the loop."""
 
     def __init__(self, loader: DataLoader, device: torch.device, finish: Callable[..., torch.Tensor]):
         self.loader, self.device, self.finish = loader, device, finish
-        self.waited = 0.0
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
@@ -32,14 +30,11 @@ class Feed:
         return len(self.loader)
 
     def _next(self, batches):
-        start = time.perf_counter()
         try:
             return next(batches)
         except UserError as error:  # a worker's: DataLoader re-raises it with the worker's traceback in its message
             line = str(error).strip().splitlines()[-1]
             raise UserError(line.removeprefix(f"{UserError.__module__}.UserError: ")) from None
-        finally:
-            self.waited += time.perf_counter() - start
 
     def __iter__(self):
         batches = iter(self.loader)

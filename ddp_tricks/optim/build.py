@@ -3,13 +3,15 @@ on top when asked. Norm layers and biases can be kept out of LARS scaling and we
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 
 import torch
 
+import lars
 from ddp_tricks.optim import NAMES
 from lamb import LAMB
-from lars import LARS, LARSWrapper, norms_and_biases, parameter_groups
+from lars import norms_and_biases, parameter_groups
 from lookahead import Lookahead
 
 
@@ -45,6 +47,8 @@ def build(
         if name != "sgd":
             raise ValueError(f"sparse gradients ({', '.join(sparse)}) need SGD, not {name!r}")
         groups = _sparse_apart(model, groups, set(sparse))
+    with_lars = functools.partial(lars.lars_over, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                  trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov)  # fmt: skip
     if name == "sgd":
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     elif name == "adam":
@@ -52,21 +56,13 @@ def build(
     elif name == "adamw":
         optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
     elif name == "lars":
-        optimizer = LARS(
-            groups,
-            lr=lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            trust_coefficient=trust_coefficient,
-            eps=eps,
-            nesterov=nesterov,
-        )
+        optimizer = with_lars(groups)
     elif name == "lamb":
         optimizer = LAMB(groups, lr=lr, weight_decay=weight_decay)
     else:
         raise ValueError(f"unknown optimizer {name!r} (one of {', '.join(NAMES)})")
     if lars_wrap:
-        optimizer = LARSWrapper(optimizer, trust_coefficient=trust_coefficient, eps=eps)
+        optimizer = with_lars(optimizer)
     if lookahead:
         optimizer = Lookahead(optimizer, k=lookahead_k, alpha=lookahead_alpha)
     return optimizer

@@ -37,20 +37,30 @@ class CsvRows:
         pass
 
 
-class TensorBoardRows:
-    """Every numeric field of a row as a scalar `steps/<field>` at the global step, in runs/<name>/tb/steps (beside
-    the per-epoch scalars in tb/, whose x axis is the epoch); a resumed run purges what followed its checkpoint."""
+def csv_columns(path: Path) -> list[str]:
+    """The columns of a steps.csv, from its header (CsvRows writes it as it opens, before StepLog.open makes the
+    other sinks): what TensorBoard and W&B show, so that a row holds nothing there that the file lacks (a run of one
+    parameter group: the row's `lr_0`, which only `lr` repeats)."""
+    with open(path, newline="") as f:
+        return next(csv.reader(f))
 
-    def __init__(self, folder: Path, through_step: int):
+
+class TensorBoardRows:
+    """Each numeric column of steps.csv as a scalar `steps/<column>` at the global step (a NaN left out), in
+    runs/<name>/tb/steps (beside the per-epoch scalars in tb/, whose x axis is the epoch); a resumed run purges what
+    followed its checkpoint. `columns`: steps.csv's (None: read from runs/<name>/steps.csv, `csv_columns`)."""
+
+    def __init__(self, folder: Path, through_step: int, columns: list[str] | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.columns = csv_columns(Path(folder).parent.parent / "steps.csv") if columns is None else columns
         self.writer = SummaryWriter(str(folder), purge_step=through_step + 1 if through_step else None)
 
     def write(self, row: dict) -> None:
-        for key, value in row.items():
-            if key not in ("step", "slowest_rank") and isinstance(value, (int, float)) and not math.isnan(value):
+        for key in self.columns:
+            value = row.get(key)
+            if key != "step" and isinstance(value, (int, float)) and not math.isnan(value):
                 self.writer.add_scalar(f"steps/{key}", value, row["step"])
-        self.writer.add_scalar("steps/slowest_rank", row["slowest_rank"], row["step"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -67,17 +77,27 @@ def wandb_module():
 
 
 class WandbRows:
-    """The rows through Weights & Biases (rank 0), at the global step; `run_id` (kept in the checkpoint) resumes the
-    same W&B run. WANDB_MODE=offline writes under `folder` without a network."""
+    """The rows through Weights & Biases (rank 0), steps.csv's columns at the global step; `run_id` (kept in the
+    checkpoint) resumes the same W&B run. WANDB_MODE=offline writes under `folder` (the run's) without a network.
+    `columns`: steps.csv's (None: read from `folder`/steps.csv, `csv_columns`)."""
 
-    def __init__(self, project: str, name: str, folder: Path, config: dict, run_id: str | None = None):
+    def __init__(
+        self,
+        project: str,
+        name: str,
+        folder: Path,
+        config: dict,
+        run_id: str | None = None,
+        columns: list[str] | None = None,
+    ):
         wandb = wandb_module()
+        self.columns = csv_columns(Path(folder) / "steps.csv") if columns is None else columns
         self.run = wandb.init(project=project, name=name, dir=str(folder), config=config, id=run_id,
                               resume="allow" if run_id else None)  # fmt: skip
         self.run_id = self.run.id
 
     def write(self, row: dict) -> None:
-        values = {f"steps/{k}": v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        values = {f"steps/{k}": row[k] for k in self.columns if k != "step" and isinstance(row.get(k), (int, float))}
         self.run.log(values, step=int(row["step"]))
 
     def close(self) -> None:
