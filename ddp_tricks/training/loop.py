@@ -244,6 +244,7 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
     its samples over the reference batch's, or AdaScale's gain); an fp16 step the scaler skips does not advance the
     schedule. Returns whether the step was taken."""
     took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
+    t.progress.lr_factor = lr_factor  # a host float: what the rows and the epoch's line show as the LR applied
     t.progress.took_step(skipped=not took_step)
     if took_step:
         t.schedule.step(progress)

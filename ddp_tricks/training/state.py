@@ -89,6 +89,7 @@ class Progress:
     skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
     first_global_step: int = 0  # where this process began: a checkpoint's, or 0
     steps_in_process: int = 0  # optimizer steps this process took or skipped, counted
+    lr_factor: float = 1.0  # the last step's LR over the schedule's: a trace's batch rule, AdaScale's gain (not saved)
 
     def took_step(self, skipped: bool = False) -> None:
         self.global_step += 1
@@ -173,9 +174,10 @@ class Training:
 
     @property
     def lr(self) -> float:
-        """The schedule's LR now: a parameter group's LR over its multiplier (the task's param_groups())."""
+        """The LR the last step applied: the schedule's (a parameter group's LR over its multiplier, the task's
+        param_groups()) times the step's factor (a --batch-trace run's batch rule, AdaScale's gain)."""
         group = self.optimizer.param_groups[0]
-        return group["lr"] / group.get("lr_mult", 1.0)
+        return group["lr"] / group.get("lr_mult", 1.0) * self.progress.lr_factor
 
     @property
     def stopped_early(self) -> bool:
