@@ -24,9 +24,9 @@ def _hsdp_float64_steps(rank, world_size):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from ddp_tricks.distributed import mesh
+    from ddp_tricks.distributed.mesh import Mesh
 
-    grid = mesh.build("cpu", world_size, 2)
+    grid = Mesh(world_size, 2).build("cpu").device_mesh
     results = {}
     for name in OPTIMIZERS:
         model = _mlp(torch.float64)
@@ -72,7 +72,7 @@ def test_lars_lamb_lookahead_are_exact_on_a_2x2_mesh_with_one_all_reduce_over_th
 
 def test_a_replica_count_that_cannot_be_built_is_one_line(tmp_path, capsys):
     """Before any process group: replicas that do not divide the processes, or replicas under DDP. Broken on
-    purpose: mesh.check without its --strategy check fails it (the DDP case then names the division, not DDP)."""
+    purpose: Mesh.check without its --strategy check fails it (the DDP case then names the division, not DDP)."""
     cases = [
         (
             ["--strategy", "fsdp", "--fsdp-replicas", "2"],
