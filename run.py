@@ -211,7 +211,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         model, found.units, dist.device, DTYPES[flags.amp], recipe, found.mesh, **cli.model_options(flags)
     )
     optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
-    ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
+    ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup, mesh) if flags.model_ema else None  # of the shards
     apex_amp = None
     if flags.amp_backend == "apex":
         from apex import amp as apex_amp

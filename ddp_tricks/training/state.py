@@ -270,8 +270,7 @@ class Training:
             self._load_for_evaluation(state)
             return
         if self.sharded:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            state = sharded.fill(state, source, self.raw_model, params)
+            state = sharded.fill(state, source, self.raw_model)
         self.raw_model.load_state_dict(state["model"])
         saved, ours = state.get("optimizer_name"), describe_optimizer(self.optimizer)
         if saved != ours:
