@@ -35,10 +35,14 @@ class LAMB(Optimizer):
         bias_correction: divide the moments by (1 - beta^t) (default True).
         capturable: keep the step count t on the parameters' device, so a CUDA graph of ``step()`` replays
             with the right t (default False: t is a Python int, and the bias corrections cost no kernels).
+        shard_group: the process group over which sharded (FSDP2) parameters' norms are summed, as the template
+            gives it (its mesh's shard dimension); None finds it from the parameters' own mesh.
 
     The update is multi-tensor (``torch._foreach_*``, grouped by device and dtype); ``p.grad`` is never
     modified and the step makes no host sync.
     """
+
+    shard_group = None  # the class default: torch pickles an optimizer without it, and the unpickled one finds it
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class LAMB(Optimizer):
         bias_correction: bool = True,
         *,
         capturable: bool = False,
+        shard_group=None,
     ):
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
@@ -71,6 +76,7 @@ class LAMB(Optimizer):
             capturable=capturable,
         )
         super().__init__(params, defaults)
+        self.shard_group = shard_group
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -106,7 +112,7 @@ class LAMB(Optimizer):
                 steps.append(state["step"])
             if params:
                 updates += [(group, *sub) for sub in _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group)]
-        work = [(group, params, shard_group(params), sub, u) for group, params, sub, u in updates]
+        work = [(group, params, shard_group(params, self.shard_group), sub, u) for group, params, sub, u in updates]
         ratios = trust_ratios(work, lambda item: [item[3], item[4]], lambda group: (0.0, 1.0, 0.0), trust_ratio)
         for (group, _, _, sub, u), sub_ratios in zip(work, ratios):
             if sub_ratios is None:

@@ -59,9 +59,13 @@ class LARS(Optimizer):
         nesterov: Nesterov momentum (default False).
         foreach: multi-tensor kernels; None picks them on CUDA and the per-tensor loop on CPU, where it is
             faster (see bench/optim_step.py).
+        shard_group: the process group over which sharded (FSDP2) parameters' norms are summed, as the template
+            gives it (its mesh's shard dimension); None finds it from the parameters' own mesh.
 
     ``p.grad`` is never modified; the update makes no host sync (the zero-norm guard is a ``torch.where``).
     """
+
+    shard_group = None  # the class default: torch pickles an optimizer without it, and the unpickled one finds it
 
     def __init__(
         self,
@@ -74,6 +78,7 @@ class LARS(Optimizer):
         nesterov: bool = False,
         *,
         foreach: bool | None = None,
+        shard_group=None,
     ):
         _check("learning rate", lr)
         _check("momentum value", momentum)
@@ -93,6 +98,7 @@ class LARS(Optimizer):
             foreach=foreach,
         )
         super().__init__(params, defaults)
+        self.shard_group = shard_group
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -107,7 +113,7 @@ class LARS(Optimizer):
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("LARS does not support sparse gradients; use dense gradients")
-            work.append((group, params, shard_group(params)))
+            work.append((group, params, shard_group(params, self.shard_group)))
         coefficients = lambda g: (g["weight_decay"], g["trust_coefficient"], g["eps"])  # noqa: E731
         ratios = trust_ratios(work, _weights_and_grads, coefficients, trust_ratio)
         for (group, params, _), group_ratios in zip(work, ratios):
@@ -207,14 +213,21 @@ class LARSWrapper(WrappedOptimizer):
         optimizer: the base optimizer; its ``param_groups`` and ``state`` are shared, not copied.
         trust_coefficient: the paper's eta (default 0.001).
         eps: added to the trust ratio's denominator (default 1e-8).
+        shard_group: as :class:`LARS`'s.
     """
 
-    def __init__(self, optimizer: Optimizer, trust_coefficient: float = 0.001, eps: float = 1e-8):
+    shard_group = None
+
+    def __init__(self, optimizer: Optimizer, trust_coefficient: float = 0.001, eps: float = 1e-8, *, shard_group=None):
         _check("trust_coefficient value", trust_coefficient, strict=True)
         _check("eps value", eps)
         super().__init__(optimizer)
         self.trust_coefficient = trust_coefficient
         self.eps = eps
+        self.shard_group = shard_group
+
+    def __getstate__(self) -> dict:
+        return super().__getstate__() | {"shard_group": None}  # a process group is this process's own
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -232,7 +245,7 @@ class LARSWrapper(WrappedOptimizer):
                     continue
                 if any(p.grad.is_sparse for p in params):
                     raise RuntimeError("LARSWrapper does not support sparse gradients; use dense gradients")
-                work.append((group, params, shard_group(params)))
+                work.append((group, params, shard_group(params, self.shard_group)))
             coefficients = lambda g: (g.get("weight_decay", 0.0), self.trust_coefficient, self.eps)  # noqa: E731
             ratios = trust_ratios(work, _weights_and_grads, coefficients, trust_ratio)
             for (group, params, _), group_ratios in zip(work, ratios):
@@ -290,15 +303,17 @@ def lars_over(
     trust_coefficient: float,
     eps: float,
     nesterov: bool,
+    shard_group=None,
 ) -> Optimizer:
     """One set of LARS settings made an optimizer: `LARS` over `target`'s parameters or groups, or, where `target` is
     an optimizer, `LARSWrapper` around it (the trust ratio's settings only: the base keeps its own LR, momentum and
-    weight decay). The one place they are handed on: `create_optimizer_lars` and the run's optimizer
+    weight decay; `shard_group`: the process group a sharded model's norms are summed over, None: found from the
+    parameters). The one place they are handed on: `create_optimizer_lars` and the run's optimizer
     (ddp_tricks/optim/build.py, `--optimizer lars` and `--lars-wrap` alike) build through it."""
     if isinstance(target, Optimizer):
-        return LARSWrapper(target, trust_coefficient=trust_coefficient, eps=eps)
+        return LARSWrapper(target, trust_coefficient=trust_coefficient, eps=eps, shard_group=shard_group)
     return LARS(target, lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
-                eps=eps, nesterov=nesterov)  # fmt: skip
+                eps=eps, nesterov=nesterov, shard_group=shard_group)  # fmt: skip
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, bn_bias_separately: bool) -> list[dict[str, Any]]:

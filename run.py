@@ -208,9 +208,11 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     itself), the optimizer, the schedule, precision, the noise scale's estimator, best and early stopping."""
     if flags.deterministic:
         use_deterministic_algorithms(show_warnings=dist.is_main)
-    model = placement.build(model, found.units, dist.device, DTYPES[flags.amp], recipe, **cli.model_options(flags))
+    model, mesh = placement.build(  # --strategy fsdp: sharded on the checked mesh, built there once (else None)
+        model, found.units, dist.device, DTYPES[flags.amp], recipe, found.mesh, **cli.model_options(flags)
+    )
     optimizer = optimizers.build(model, lr=plan.lr, **found.optimizer_options(), **cli.optimizer_options(flags))
-    ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup) if flags.model_ema else None  # of the shards
+    ema = ModelEma(model, flags.model_ema, flags.model_ema_warmup, mesh) if flags.model_ema else None  # of the shards
     apex_amp = None
     if flags.amp_backend == "apex":
         from apex import amp as apex_amp
@@ -246,14 +248,13 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
     early_stopping = None
     if flags.early_stop_patience:
         early_stopping = EarlyStopping(flags.early_stop_patience, delta=flags.early_stop_delta, mode=mode)
-    precision = Precision(flags.amp, dist.device, apex_amp, sharded=flags.strategy == "fsdp")
     return Training(
         model,
         optimizer,
         make_schedule(flags, plan, optimizer, mode),
         task,
         found.sum_names,
-        precision,
+        Precision(flags.amp, dist.device, apex_amp, mesh),
         dist.device,
         clip_grad_norm=flags.clip_grad_norm,
         channels_last=flags.channels_last,

@@ -29,12 +29,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if is_dtensor(tensor) else tensor
 
 
-def shard_group(params: list[torch.Tensor]):
-    """The process group over which some of `params` are sharded (None: all whole tensors): a 2-D (HSDP) mesh's
-    shard dimension."""
+def shard_group(params: list[torch.Tensor], given=None):
+    """The process group over which some of `params` are sharded (None: all whole tensors): `given` (the template's
+    mesh's shard dimension, distributed/mesh.py), else, for an optimizer used alone, found from the first sharded
+    one's mesh: a 2-D (HSDP) mesh's shard dimension."""
     sharded = [p for p in params if is_dtensor(p)]
     if not sharded:
         return None
+    if given is not None:
+        return given
     mesh = sharded[0].device_mesh
     if mesh.ndim == 1:
         return mesh.get_group()
@@ -91,15 +94,16 @@ def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio) -> list[tor
     return [ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in on else None for item in work]
 
 
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
     """torch's `clip_grad_norm_` (2-norm), also where sharded parameters sit beside whole ones (which torch's refuses
-    to stack): the total norm from `whole_norms` (one all-reduce over the shard group), every gradient scaled by the
-    same coefficient. The total norm before clipping, on the device (no host sync)."""
+    to stack): the total norm from `whole_norms` (one all-reduce over the shard group: `group`, else found from the
+    gradients), every gradient scaled by the same coefficient. The total norm before clipping, on the device (no host
+    sync)."""
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [is_dtensor(g) for g in grads]
     if all(sharded) or not any(sharded):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norms = whole_norms([[local(g)] for g in grads], shard_group(grads), [[not s] for s in sharded])
+    norms = whole_norms([[local(g)] for g in grads], shard_group(grads, group), [[not s] for s in sharded])
     total = torch.linalg.vector_norm(torch.cat([n.float() for n in norms]))
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:

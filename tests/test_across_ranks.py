@@ -102,7 +102,7 @@ def _tied_on_default_units(rank, world_size, folder):
     saved = sharded.save({"model": model.state_dict()}, folder, "tied", rank == 0)
     again = Tied()
     fsdp.shard(again, fsdp.default_units(again))
-    state = sharded.fill(sharded.read(saved), saved, again, list(again.parameters()))
+    state = sharded.fill(sharded.read(saved), saved, again)
     again.load_state_dict(state["model"])
     whole = sharded.full_weights(again)
     return tied_after_sharding, again.embed.weight is again.out.weight, whole

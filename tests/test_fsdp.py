@@ -86,7 +86,7 @@ def _train_setting(rank, world_size, sharded, steps, clip, setting):
         options = dict(options)
         optimizer = optimizers.build(model, options.pop("name"), lr=lr, weight_decay=1e-3, **options)
         t = Training(model, optimizer, Schedule(WarmupDecay(optimizer, 0, 0)), Classify(), ["acc"],
-                     Precision("off", CPU, sharded=sharded), CPU, clip_grad_norm=clip, rank=rank,
+                     Precision("off", CPU, mesh=fsdp.mesh_of(model)), CPU, clip_grad_norm=clip, rank=rank,
                      world_size=world_size)  # fmt: skip
         loader = loaders.train_loader(train_set, rank, CPU, seed=0)
         loader.batch_sampler.start(steps)
@@ -408,7 +408,7 @@ def _inf_in_one_rank_s_slice(rank, world_size):
     model = _mlp()
     fsdp.shard(model, [model[1], model[4]], torch.float16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precision = Precision("fp16", CPU, sharded=True)
+    precision = Precision("fp16", CPU, mesh=fsdp.mesh_of(model))
     before = [p.full_tensor() for p in model.parameters()]
     x, y = torch.randn(4, 64), torch.tensor([0, 1, 2, 3])
     with precision.autocast():

@@ -60,7 +60,7 @@ def _train(rank, world_size, sharded):
             options = dict(options)
             optimizer = optimizers.build(model, options.pop("name"), lr=lr, weight_decay=1e-3, **options)
             t = Training(model, optimizer, Schedule(WarmupDecay(optimizer, 0, 0)), Classify(), ["acc"],
-                         Precision("off", CPU, sharded=sharded), CPU, clip_grad_norm=clip, rank=rank,
+                         Precision("off", CPU, mesh=fsdp.mesh_of(model)), CPU, clip_grad_norm=clip, rank=rank,
                          world_size=world_size)  # fmt: skip
             loader = loaders.train_loader(train_set, rank, CPU, seed=0)
             loader.batch_sampler.start(steps)

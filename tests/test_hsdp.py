@@ -24,9 +24,9 @@ def _hsdp_float64_steps(rank, world_size):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from ddp_tricks.distributed import mesh
+    from ddp_tricks.distributed.mesh import Mesh
 
-    grid = mesh.build("cpu", world_size, 2)
+    grid = Mesh(world_size, 2).build("cpu").device_mesh
     results = {}
     for name in OPTIMIZERS:
         model = _mlp(torch.float64)
@@ -72,7 +72,7 @@ def test_lars_lamb_lookahead_are_exact_on_a_2x2_mesh_with_one_all_reduce_over_th
 
 def test_a_replica_count_that_cannot_be_built_is_one_line(tmp_path, capsys):
     """Before any process group: replicas that do not divide the processes, or replicas under DDP. Broken on
-    purpose: mesh.check without its --strategy check fails it (the DDP case then names the division, not DDP)."""
+    purpose: Mesh.check without its --strategy check fails it (the DDP case then names the division, not DDP)."""
     cases = [
         (
             ["--strategy", "fsdp", "--fsdp-replicas", "2"],
@@ -86,6 +86,54 @@ def test_a_replica_count_that_cannot_be_built_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
         assert not any(tmp_path.iterdir())
+
+
+def test_mesh_check_refuses_a_layout_before_any_process_group_and_describes_the_rest():
+    from ddp_tricks.distributed.mesh import Mesh
+    from ddp_tricks.errors import UserError
+
+    with pytest.raises(UserError, match="--fsdp-replicas 3 does not divide the 4 process"):
+        Mesh.check(4, 3, "fsdp")
+    with pytest.raises(UserError, match="--fsdp-replicas 2 acts only with --strategy fsdp"):
+        Mesh.check(4, 2, "ddp")
+    assert Mesh.check(4, 1, "ddp") == Mesh(4, 1)
+    hsdp = Mesh.check(8, 2, "fsdp")
+    assert (hsdp.replicas, hsdp.shards, hsdp.device_mesh) == (2, 4, None)
+    assert hsdp.describe() == "HSDP: 2 replicas x 4 shards (the shards of a replica: consecutive ranks)"
+
+
+def _handed_groups(rank, world_size):
+    """A 2 x 2 mesh built once and handed on: the ranks of its shard group, whether fsdp.shard kept it, and whether
+    the template's optimizers (LARSWrapper around LAMB) and clipping hold its very group; the ranks of the group LAMB
+    finds alone from the parameters, and of a 1-D mesh's shard group."""
+    from tiny import CPU
+
+    from ddp_tricks.distributed import fsdp
+    from ddp_tricks.distributed.mesh import Mesh
+    from ddp_tricks.optim import build as optimizers
+    from ddp_tricks.shards import shard_group
+    from ddp_tricks.training.precision import Precision
+
+    mesh = Mesh(world_size, 2).build("cpu")
+    group = mesh.shard_group()
+    model = fsdp.shard(_mlp(), [], mesh=mesh)
+    optimizer = optimizers.build(model, "lamb", lr=0.01, lars_wrap=True)
+    handed = [fsdp.mesh_of(model) is mesh, optimizer.shard_group is group, optimizer.optimizer.shard_group is group]
+    handed.append(Precision("off", CPU, mesh=mesh).shard_group is group)
+    ranks = dist.get_process_group_ranks
+    found = shard_group(list(model.parameters()))
+    return ranks(group), handed, ranks(found), ranks(Mesh(world_size).build("cpu").shard_group())
+
+
+@pytest.mark.timeout(150)
+def test_a_2x2_mesh_hands_its_shard_dimension_s_group_to_the_optimizers_and_the_clipping():
+    """The shard group of a 2 x 2 mesh is the ranks of one replica (0-1 or 2-3), the very group the optimizers and
+    the clipping get, and the group an optimizer used alone finds from the parameters; a 1-D mesh's is every rank.
+    Broken on purpose: Mesh.shard_group returning the replicate dimension's group fails it."""
+    for rank, (ranks, handed, found, one_d) in enumerate(run_ranks(_handed_groups, 4, timeout=120)):
+        replica = [0, 1] if rank < 2 else [2, 3]
+        assert ranks == replica and found == replica and one_d == [0, 1, 2, 3], (rank, ranks, found, one_d)
+        assert handed == [True] * 4, (rank, handed)
 
 
 LM = ["--task", "examples/language_model.py:PythonSourceLM", "--pack", "--max-sequences", "24", "--max-length",

@@ -24,6 +24,7 @@ from torch.nn.init import trunc_normal_ as trunc_normal_by_name
 
 from ddp_tricks import cli
 from ddp_tricks.distributed import fsdp, meta_init, placement
+from ddp_tricks.distributed.mesh import Mesh
 
 LM = ["--task", "examples/language_model.py:PythonSourceLM", "--max-sequences", "64", "--max-length", "16",
       "--width", "32", "--depth", "3", "--heads", "4"]  # fmt: skip
@@ -432,7 +433,7 @@ def _sharded_tensors(rank, world_size, replicas, argv):
     model, recipe, lines = placement.make(task, "fsdp", True, None)
     with meta_init.checkable(model, recipe):
         units = fsdp.shard_units(task, model)
-    model = placement.build(model, units, torch.device("cpu"), None, recipe, strategy="fsdp", replicas=replicas)
+    model, _ = placement.build(model, units, torch.device("cpu"), None, recipe, Mesh(world_size, replicas), "fsdp")
     gathered = {name: p.full_tensor() for name, p in model.named_parameters()}
     return lines, gathered | dict(model.named_buffers())
 

@@ -97,7 +97,6 @@ def model_options(flags: argparse.Namespace) -> dict:
         "strategy": flags.strategy,
         "channels_last": flags.channels_last,
         "checkpointing": flags.activation_checkpointing,
-        "replicas": flags.fsdp_replicas,
     }
 
 

@@ -20,6 +20,7 @@ import inspect
 import torch
 from torch import nn
 
+from ddp_tricks.distributed.mesh import Mesh
 from ddp_tricks.errors import UserError
 
 Unit = nn.Module | list[nn.Module]  # a list: modules gathered and freed together, as one unit
@@ -264,6 +265,12 @@ class ReplicatedGradients:
 
 
 REPLICATED = "_replicated_gradients"  # shard() puts the model's ReplicatedGradients under this attribute
+MESH = "_sharding_mesh"  # and the Mesh it sharded the model on under this one
+
+
+def mesh_of(model: nn.Module) -> Mesh | None:
+    """The mesh `shard` sharded the model on (None: not sharded by `shard`)."""
+    return getattr(getattr(model, "_orig_mod", model), MESH, None)
 
 
 def reduce_replicated(model: nn.Module) -> None:
@@ -274,18 +281,18 @@ def reduce_replicated(model: nn.Module) -> None:
         replicated.reduce()
 
 
-def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None, mesh=None) -> nn.Module:
+def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None, mesh: Mesh | None = None) -> nn.Module:
     """`fully_shard` the units, the smallest first and each once (a list of modules as one unit), then the
-    model, on `mesh` (a 2-D one: HSDP, replicas x shards; None: a 1-D mesh over every rank). `dtype`: the --amp
-    dtype parameters are gathered in (None: as they are). The 0-d parameters stay whole on every rank
-    (`ignored_params`: not sharded, not reduced by FSDP; see `reduce_replicated`), rank 0's values given to every
-    rank."""
-    from torch.distributed.device_mesh import init_device_mesh
+    model, on `mesh` (built; a 2-D one: HSDP, replicas x shards; None: a 1-D mesh over every rank), which the model
+    keeps (`mesh_of`). `dtype`: the --amp dtype parameters are gathered in (None: as they are). The 0-d parameters
+    stay whole on every rank (`ignored_params`: not sharded, not reduced by FSDP; see `reduce_replicated`), rank 0's
+    values given to every rank."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
     if mesh is None:
-        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        mesh = Mesh(torch.distributed.get_world_size()).build(device.type)
+    grid = mesh.device_mesh
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     scalars = [p for p in model.parameters() if p.dim() == 0]
     for param in scalars:
@@ -297,14 +304,15 @@ def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None,
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and any(True for _ in module.parameters()):
-                fully_shard(module, mesh=mesh, mp_policy=full, **ignored)
+                fully_shard(module, mesh=grid, mp_policy=full, **ignored)
                 done.add(id(module))
     for i in _in_order(units):
         members = [m for m in _members(units[i]) if id(m) not in done]
         if members:
-            fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=policy, **ignored)
+            fully_shard(members if len(members) > 1 else members[0], mesh=grid, mp_policy=policy, **ignored)
             done |= {id(m) for m in members}
-    model = fully_shard(model, mesh=mesh, mp_policy=policy, **ignored)
+    model = fully_shard(model, mesh=grid, mp_policy=policy, **ignored)
+    setattr(model, MESH, mesh)
     trained = [p for p in model.parameters() if p.dim() == 0 and p.requires_grad]  # in the same order on every rank
     if trained:
         setattr(model, REPLICATED, ReplicatedGradients(trained, torch.distributed.get_world_size()))

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ddp_tricks import activations
-from ddp_tricks.distributed import fsdp, mesh, meta_init
+from ddp_tricks.distributed import fsdp, meta_init
+from ddp_tricks.distributed.mesh import Mesh
 
 
 def make(task, strategy: str, meta: bool, state: dict | None) -> tuple[nn.Module, meta_init.Recipe | None, list[str]]:
@@ -31,22 +32,25 @@ def build(
     device: torch.device,
     dtype: torch.dtype | None,
     recipe: meta_init.Recipe | None = None,
+    mesh: Mesh | None = None,
     strategy: str = "ddp",
     channels_last: bool = False,
     checkpointing: str | None = None,
-    replicas: int = 1,
-) -> nn.Module:
+) -> tuple[nn.Module, Mesh | None]:
     """The model checkpointed (`checkpointing`: an activations mode, or None), on `device` (channels-last where
-    asked), and sharded over the FSDP `units` with parameters gathered in `dtype` under --strategy fsdp, on a mesh of
-    `replicas` x world/replicas ranks (mesh.py). `recipe`: the model is on the meta device, sharded there, then
-    materialised per shard on `device` (meta_init.py)."""
+    asked), and sharded over the FSDP `units` with parameters gathered in `dtype` under --strategy fsdp, on `mesh`
+    (the checked one, mesh.py, built here once; None: a 1-D mesh over every rank). `recipe`: the model is on the
+    meta device, sharded there, then materialised per shard on `device` (meta_init.py). The model, and the built
+    mesh it is sharded on (None: not sharded), which the optimizers' norms, the clipping and the EMA take."""
     if checkpointing:
         activations.apply(model, list(units), checkpointing)
     layout = torch.channels_last if channels_last else torch.preserve_format
     model = model.to("meta" if recipe else device, memory_format=layout)
+    built = None
     if strategy == "fsdp":  # before the optimizer: it steps the sharded parameters
-        world_size = torch.distributed.get_world_size()
-        model = fsdp.shard(model, list(units), dtype, mesh.build(torch.device(device).type, world_size, replicas))
+        mesh = mesh if mesh is not None else Mesh(torch.distributed.get_world_size())
+        built = mesh.build(torch.device(device).type)
+        model = fsdp.shard(model, list(units), dtype, built)
     if recipe is not None:
         meta_init.materialise(model, recipe, torch.device(device))
-    return model
+    return model, built

@@ -9,6 +9,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 import lars
+from ddp_tricks.distributed import fsdp
 from ddp_tricks.optim import NAMES
 from lamb import LAMB
 from lars import norms_and_biases, parameter_groups
@@ -38,7 +39,10 @@ def build(
     (torch cannot add a dense decay to a sparse gradient) and without momentum (torch's buffer for a sparse
     gradient is never merged: it grows by every step's rows, 16 to 282 entries in 20 steps of a 50-row table).
     `groups`: the task's parameter groups by name (seam.param_groups), each with its LR multiplier and weight decay
-    (its LR is `lr` x its multiplier, and the schedules keep that ratio); --bn-bias-separately splits each one."""
+    (its LR is `lr` x its multiplier, and the schedules keep that ratio); --bn-bias-separately splits each one.
+    A model `fsdp.shard` sharded keeps its mesh: LARS's and LAMB's norms are summed over its shard dimension."""
+    mesh = fsdp.mesh_of(model)
+    shard_group = mesh.shard_group() if mesh is not None else None
     if groups:
         groups = task_groups(model, groups, lr, weight_decay, bn_bias_separately)
     else:
@@ -48,7 +52,8 @@ def build(
             raise ValueError(f"sparse gradients ({', '.join(sparse)}) need SGD, not {name!r}")
         groups = _sparse_apart(model, groups, set(sparse))
     with_lars = functools.partial(lars.lars_over, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                  trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov)  # fmt: skip
+                                  trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+                                  shard_group=shard_group)  # fmt: skip
     if name == "sgd":
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     elif name == "adam":
@@ -58,7 +63,7 @@ def build(
     elif name == "lars":
         optimizer = with_lars(groups)
     elif name == "lamb":
-        optimizer = LAMB(groups, lr=lr, weight_decay=weight_decay)
+        optimizer = LAMB(groups, lr=lr, weight_decay=weight_decay, shard_group=shard_group)
     else:
         raise ValueError(f"unknown optimizer {name!r} (one of {', '.join(NAMES)})")
     if lars_wrap:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddp_tricks.distributed import fsdp
 from ddp_tricks.errors import UserError
 from ddp_tricks.shards import is_dtensor
 from ddp_tricks.storage.files import save as save_file
@@ -134,18 +135,17 @@ def model_shapes(state: dict) -> dict[str, tuple]:
     return shapes
 
 
-def fill(state: dict, path: str | Path, model: torch.nn.Module, optimizer_params: list[torch.Tensor]) -> dict:
+def fill(state: dict, path: str | Path, model: torch.nn.Module) -> dict:
     """The sharded tensors of a read() state, loaded into slices of this run's shards (a collective). The model's
-    entries load into the model's own parameters; the optimizer's get new tensors sharded like the parameter
-    they belong to. A missing or damaged file is a UserError naming the checkpoint."""
+    entries load into the model's own parameters; the optimizer's get new tensors laid like the parameters, on the
+    mesh `fsdp.shard` sharded the model on. A missing or damaged file is a UserError naming the checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.tensor import empty
 
     live = model.state_dict()
     targets = {}
-    mesh = next(p.device_mesh for p in optimizer_params if is_dtensor(p))
-    placements = next(p.placements for p in optimizer_params if is_dtensor(p))
+    mesh = fsdp.mesh_of(model)
     for holder in _placeholders(state):
         key = holder["__sharded__"]
         name = key.removeprefix("state/model/")
@@ -153,7 +153,7 @@ def fill(state: dict, path: str | Path, model: torch.nn.Module, optimizer_params
             targets[key] = live[name]
         else:
             dtype = getattr(torch, holder["dtype"])
-            targets[key] = empty(holder["shape"], dtype=dtype, device_mesh=mesh, placements=placements)
+            targets[key] = empty(holder["shape"], dtype=dtype, device_mesh=mesh.device_mesh, placements=mesh.placements)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -14,18 +14,20 @@ import contextlib
 import torch
 from torch import nn
 
+from ddp_tricks.distributed.mesh import Mesh
 from ddp_tricks.shards import is_dtensor, local
 
 
 class ModelEma:
-    """The EMA of `model.state_dict()` (the unwrapped model, possibly sharded); `update(model)` once per optimizer
-    step that was taken."""
+    """The EMA of `model.state_dict()` (the unwrapped model, possibly sharded on `mesh`, the run's built one: whole
+    weights loaded into the EMA are cut to its slices); `update(model)` once per optimizer step that was taken."""
 
-    def __init__(self, model: nn.Module, decay: float, warmup: bool = False):
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = False, mesh: Mesh | None = None):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"Invalid decay: {decay} (must be in (0, 1))")
         self.decay = decay
         self.warmup = warmup
+        self.mesh = mesh
         self.updates = 0  # EMA updates so far: the optimizer steps taken since the EMA began
         with torch.no_grad():
             self.weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
@@ -86,7 +88,7 @@ class ModelEma:
         with torch.no_grad():
             source = model.state_dict() if state is None else state["weights"]
             for name, mine in self.weights.items():
-                local(mine).copy_(local(_as_slice(source[name], mine)))
+                local(mine).copy_(local(_as_slice(source[name], mine, self.mesh)))
         self.updates = 0 if state is None else int(state["updates"])
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -97,14 +99,15 @@ class ModelEma:
         return f"the EMA of the weights, decay {self.decay:g}{' with warmup' if self.warmup else ''}"
 
 
-def _as_slice(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`value` as `like` holds it: a whole tensor (a sharded run's best.pt, the same on every rank) as a DTensor like
-    `like`, whose local slice is this rank's."""
+def _as_slice(value: torch.Tensor, like: torch.Tensor, mesh: Mesh | None = None) -> torch.Tensor:
+    """`value` as `like` holds it: a whole tensor (a sharded run's best.pt, the same on every rank) as a DTensor laid
+    on `mesh` as FSDP lays a parameter (None: as `like` is laid), whose local slice is this rank's."""
     if not is_dtensor(like) or is_dtensor(value):
         return value
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements)  # a collective: every rank
+    grid, placements = (like.device_mesh, like.placements) if mesh is None else (mesh.device_mesh, mesh.placements)
+    return distribute_tensor(value.to(like.device), grid, placements)  # a collective: every rank
 
 
 def _free_gathered(model: nn.Module) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import torch
 
 from ddp_tricks import shards
+from ddp_tricks.distributed.mesh import Mesh
 
 DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -17,16 +18,17 @@ DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 class Precision:
     """`autocast()` around the forward, `backward(loss)`, then `step(optimizer, ...)` once per optimizer step."""
 
-    def __init__(self, mode: str, device: torch.device, apex_amp=None, sharded: bool = False):
+    def __init__(self, mode: str, device: torch.device, apex_amp=None, mesh: Mesh | None = None):
         self.device = device
         self.apex_amp = apex_amp  # apex.amp, already initialised on the model and optimizer (before DDP)
         self.dtype = None if apex_amp is not None else DTYPES[mode]
         self.scaler = None
         self._steps = StepCounter()
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's gradient norm, before clipping
+        self.shard_group = mesh.shard_group() if mesh is not None else None  # sharded: the clipping's norm sums here
         if mode == "fp16" and apex_amp is None:
             self.scaler = torch.amp.GradScaler(device.type)
-            if sharded:  # each rank sees an inf only in its slices: this scaler agrees on it across the ranks
+            if mesh is not None:  # each rank sees an inf only in its slices: this scaler agrees on it across the ranks
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
                 self.scaler = ShardedGradScaler(device.type)
@@ -74,7 +76,9 @@ class Precision:
         if self.scaler is not None and clip_grad_norm > 0:
             self.scaler.unscale_(optimizer)
         if clip_grad_norm > 0:
-            self.grad_norm = shards.clip_grad_norm_(params, clip_grad_norm)  # on the device: read by a row
+            self.grad_norm = shards.clip_grad_norm_(
+                params, clip_grad_norm, self.shard_group
+            )  # on the device: read by a row
         if lr_factor != 1.0:
             lrs = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ddp_tricks import activations
-from ddp_tricks.distributed import fsdp, mesh
+from ddp_tricks.distributed import fsdp
+from ddp_tricks.distributed.mesh import Mesh
 from ddp_tricks.errors import UserError
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, flops, seam
@@ -61,6 +62,7 @@ class Findings:
     noise_every: int = 1  # the noise scale is measured on every K-th optimizer step (a traced run: every step)
     checkpointing_line: str | None = None  # --activation-checkpointing: what is checkpointed, for the start line
     flops: Flops | None = None  # a training step's FLOPs per sample, counted (None: not counted)
+    mesh: Mesh | None = None  # --strategy fsdp: the ranks' mesh, checked, to be built once after joining
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -122,7 +124,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     not fit together is said before anything that depends on it), then `make_plan(equal_shares)` (the run's plan,
     given what needs equal shares of a step's micro-batches; its own mistakes come next), then the task against the
     plan. The plan and the record of what was found. Also initialises lazy modules (the first forward)."""
-    mesh.check(setup.world_size, setup.fsdp_replicas, setup.strategy)
+    mesh = Mesh.check(setup.world_size, setup.fsdp_replicas, setup.strategy)
     collate = getattr(task, "collate", None)
     sums = seam.check_task(task, model, dataset, collate)
     scoring = seam.check_scoring(task, model, dataset, collate)
@@ -139,7 +141,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         units = [unit for i, unit in enumerate(units) if i not in skipped]
         shard_line = fsdp.describe_units(model, units, folded)
         if setup.fsdp_replicas > 1:
-            shard_line += f"; {mesh.describe(setup.world_size, setup.fsdp_replicas)}"
+            shard_line += f"; {mesh.describe()}"
     elif setup.checkpointing:  # the blocks are the units FSDP would shard
         units = fsdp.shard_units(task, model)
     if setup.checkpointing:
@@ -185,4 +187,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         noise_every=1 if plan.manual_reduction else setup.noise_scale_every,
         checkpointing_line=checkpointing_line,
         flops=flops.of_task(task, model, dataset, collate, plan.micro_batch) if setup.count_flops else None,
+        mesh=mesh if setup.strategy == "fsdp" else None,
     )

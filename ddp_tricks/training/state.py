@@ -280,8 +280,7 @@ class Training:
         if "optimizer" not in state:
             names = ("ema", "task")
         elif self.sharded:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            state = sharded.fill(state, source, self.raw_model, params)
+            state = sharded.fill(state, source, self.raw_model)
         if "optimizer" in state:
             self._check_optimizer(state.get("optimizer_name"), source)
         if "early_stopping" in state:  # written before the parts: early stopping beside best, not in it
