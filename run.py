@@ -36,12 +36,12 @@ from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
 from ddp_tricks.errors import UserError
 from ddp_tricks.optim import build as optimizers
 from ddp_tricks.schedules import decay_kind, schedule
-from ddp_tricks.storage import checkpoint, run_folder
+from ddp_tricks.storage import checkpoint, init_from, run_folder
 from ddp_tricks.traces import batch_trace
 from ddp_tricks.training import auto_batch, loop, preflight, step_evaluations, step_log
 from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.precision import DTYPES, Precision
-from ddp_tricks.training.state import Best, NonFiniteLoss, Training
+from ddp_tricks.training.state import Best, NonFiniteLoss, Training, describe_optimizer
 
 log = logging.getLogger("ddp_tricks")
 
@@ -74,7 +74,9 @@ def run(flags, task, process: launch.Launch) -> int:
     loaders.check_sizes(len(train_set), len(val_set), process.world_size)
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy, evaluation=flags.eval_only) if resume_from else None
-    model, recipe, made = placement.make(task, flags.strategy, flags.meta_init, state)  # FSDP: on the meta device
+    init = init_from.read(flags.init_from) if flags.init_from and state is None else None  # a new run from it
+    whole = state or (init and {"model": init.model})  # whole weights: FSDP's model made whole, not on meta
+    model, recipe, made = placement.make(task, flags.strategy, flags.meta_init, whole)
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
     setup = preflight.Setup(process.world_size, nccl=nccl, **cli.check_options(flags))
     plan_for = functools.partial(make_plan, flags, len(train_set), process.world_size, state)  # given equal shares
@@ -83,6 +85,8 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if state is not None:
         checkpoint.restore_model(model, state, str(resume_from))  # weights of another model: said here
+    elif init is not None:  # before the wrapper, the optimizer and the EMA: they start from these weights
+        made += init_from.start(model, init, **cli.init_options(flags))
     trains = not (flags.eval_only or flags.plot_lr)
     continues = flags.resume is not None or flags.eval_only or flags.plot_lr  # these two add, never replace
     run_folder.check(Path(flags.run_dir), resume=continues, overwrite=flags.overwrite)
@@ -95,6 +99,8 @@ def run(flags, task, process: launch.Launch) -> int:
     t.parts["step_log"] = rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # a named part
     if state is not None:
         t.load_state_dict(state, str(resume_from))
+    elif init is not None and flags.init_optimizer:
+        made += init_from.load_optimizer(t.optimizer, init, describe_optimizer(t.optimizer))
     collectives.require_same(
         (t.progress.completed_epochs, t.progress.step_in_epoch, t.progress.global_step),
         "the checkpoint each rank resumes from; put the runs folder on storage that every node shares",
@@ -106,21 +112,15 @@ def run(flags, task, process: launch.Launch) -> int:
     folder.start(record, at.completed_epochs, flags.overwrite, flags.tensorboard, trains, at.global_step)
     preemption = Preemption(dist)  # before workers.json: from then on, SIGTERM is agreed on
     folder.record_workers(collectives.gather_objects(os.getpid()))
+    where = f"{flags.task} on {dist.world_size} process(es), device {dist.device}"
     log.info(
-        "%s on %d process(es), device %s: %s, %s, %d steps/epoch",
-        flags.task,
-        dist.world_size,
-        dist.device,
-        plan.describe(),
-        cli.describe_lr(flags, plan.lr),
-        plan.steps_per_epoch,
+        "%s: %s, %s, %d steps/epoch", where, plan.describe(), cli.describe_lr(flags, plan.lr), plan.steps_per_epoch
     )
     if state is not None and trains:
         log.info(t.describe_resume(resume_from))
-    for note in made + ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale):
+    notes = made + ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale)
+    for note in notes + ([DETERMINISTIC_NOTE] if flags.deterministic else []):
         log.info(note)
-    if flags.deterministic:
-        log.info(DETERMINISTIC_NOTE)
     if flags.plot_lr:
         if dist.is_main:
             log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path, found.groups))
@@ -153,8 +153,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
         if result is None and t.stopped_early:  # --eval-every-steps: stopped mid-epoch, its checkpoint written
             break
         if result is None:
-            log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.progress.global_step}", flags.strategy))
-            log.info(t.describe_steps())
+            log.info(checkpoint.preempted(f"at epoch {epoch}, step {t.progress.global_step}", flags.strategy, t))
             return failures.PREEMPTED
         loop.recompute_bn_stats(t, train_loader, steps, flags.precise_bn, plan.micro_batch, t.world_size)
         row = step_evaluations.metrics_row(t, val_loader) | result
@@ -168,8 +167,7 @@ def train(flags, t: Training, plan: planning.Plan, data, folder, preemption, row
         if t.stopped_early:
             break
         if preemption.agreed(final=True) and epoch < plan.epochs:
-            log.info(checkpoint.preempted(f"after epoch {epoch}", flags.strategy))
-            log.info(t.describe_steps())
+            log.info(checkpoint.preempted(f"after epoch {epoch}", flags.strategy, t))
             return failures.PREEMPTED
     if t.rank == 0:
         heartbeat.phase("figures")  # long work on rank 0 alone: not a hang
@@ -190,9 +188,8 @@ def make_plan(flags, num_train: int, world_size: int, state: dict | None = None,
         )
     elif flags.batch_trace is not None:
         trace = batch_trace.load_trace(flags.batch_trace)
-    trains = not (flags.eval_only or flags.plot_lr)
-    run_batch = planning.recorded(state) if trains else None
-    return planning.make(
+    run_batch = None if flags.eval_only or flags.plot_lr else planning.recorded(state, num_train)
+    plan = planning.make(
         num_train=num_train,
         world_size=world_size,
         trace=trace,
@@ -201,6 +198,9 @@ def make_plan(flags, num_train: int, world_size: int, state: dict | None = None,
         equal_shares=equal,
         **cli.plan_options(flags),
     )
+    if run_batch is not None:  # a resume into another folder must leave it something to train
+        checkpoint.check_left(state, flags.resume, flags.run_dir, plan.epochs)
+    return plan
 
 
 def build_training(flags, task, model, found: preflight.Findings, plan: planning.Plan, dist, recipe=None) -> Training:

@@ -214,8 +214,8 @@ class Plan:
             batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
             # slot k holds ceil((n - k) / slots) samples: the micro-batches differ unless the batch fills the slots
             steps.append(Step(group, batch / ranks, batch, uneven=batch % self.slots != 0))
-        if self.max_steps:  # --max-steps: the run's last epoch ends at its step
-            return steps[: max(0, self.max_steps - (epoch - 1) * self.steps_per_epoch)]
+        if self.max_steps:  # --max-steps: the run's last epoch ends at its step (the global step at its start: given)
+            return steps[: max(0, self.max_steps - (first_trace_step or (epoch - 1) * self.steps_per_epoch))]
         return steps
 
     def _traced_epoch(self, epoch: int, rank: int, first_step: int) -> list[Step]:
@@ -414,13 +414,23 @@ def layout(
     return prefer if prefer in fits else fits[0]
 
 
-def recorded(state: dict | None) -> tuple[int, int] | None:
+def recorded(state: dict | None, num_train: int = 0) -> tuple[int, int] | None:
     """A checkpoint's (global batch, micro-batch): what its plan recorded, else what the flags it was written
-    with made (a checkpoint from before the plan was kept); None for a traced run or without a checkpoint."""
+    with made (a checkpoint from before the plan was kept); None for a traced run or without a checkpoint.
+
+    A resume continues the same run: a training set of another size than the checkpoint's plan says (`num_train`)
+    is a UserError naming --init-from, which starts a new run from the weights (the run's global batch is kept, at
+    any world size and whatever --batch-size says: make() says so at start)."""
     config = (state or {}).get("config") or {}
     if state is None or config.get("batch_trace"):
         return None
     plan = state.get("plan")
+    saved = (plan or {}).get("train_samples")
+    if num_train and saved is not None and saved != num_train:
+        raise UserError(
+            f"--resume continues the same run, and its training set changed: {saved} samples in the checkpoint's "
+            f"run, {num_train} now; to train on other data, start a new run from its weights with --init-from PATH"
+        )
     if plan:
         return plan["global_batch_size"], plan.get("run_micro_batch", plan["micro_batch"])
     if "batch_size" not in config or "world_size" not in state:

@@ -128,7 +128,20 @@ def test_every_part_of_a_run_is_named_in_its_checkpoint():
     state = t.state_dict()
     header = {"epoch", "step_in_epoch", "global_step", "skipped_steps", "optimizer_name", "world_size"}
     assert set(state) == header | set(t.parts)
-    parts = {"model", "optimizer", "schedule", "scaler", "best", "task", "rng", "epoch_sums", "tally"}
+    parts = {
+        "model",
+        "optimizer",
+        "schedule",
+        "scaler",
+        "best",
+        "adascale",
+        "noise",
+        "ema",
+        "task",
+        "rng",
+        "epoch_sums",
+    }
+    parts.add("tally")
     assert set(t.parts) == parts
     assert state["tally"]["steps"] == 0 and state["tally"]["totals"].tolist() == [0.0]
 

@@ -8,6 +8,7 @@ import argparse
 import copy
 
 from ddp_tricks import schedules
+from ddp_tricks.cli.init_flags import check_init_flags
 from ddp_tricks.cli.step_flags import check_step_flags
 from ddp_tricks.errors import UserError
 
@@ -71,6 +72,7 @@ def check(
     on the command line (`given_flags`), so a flag that would be ignored is refused rather than dropped."""
     _check_values(cfg)
     check_step_flags(cfg, given)
+    check_init_flags(cfg)
     _check_combinations(cfg)
     ignored = [(dest, needs) for dests, acts, needs in ONLY_WITH for dest in dests if dest in given and not acts(cfg)]
     if ignored:
@@ -168,7 +170,7 @@ def _check_combinations(cfg: argparse.Namespace) -> None:
             "--sync-bn cannot work with --batch-trace: a traced step gives the ranks different numbers of "
             "micro-batches (an idle rank none), and SyncBatchNorm needs every rank in each forward; drop one of them"
         )
-    if cfg.sync_bn and _runs_on_cpu(cfg):  # one process too: there it would be dropped without a word
+    if cfg.sync_bn and _runs_on_cpu(cfg) and cfg.strategy != "fsdp":  # one process too: dropped silently there
         raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm does not run on CPU/gloo); drop --sync-bn")
     if cfg.strategy == "fsdp":
         _check_fsdp(cfg)

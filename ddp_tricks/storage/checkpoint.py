@@ -19,9 +19,11 @@ from ddp_tricks.storage.files import save
 LAST = {"ddp": "last.pt", "fsdp": sharded.LINK}  # a run's latest checkpoint, by --strategy
 
 
-def preempted(where: str, strategy: str) -> str:
-    """The line a run stopped by SIGTERM ends with (`where`: "at epoch E, step S", or "after epoch E")."""
-    return f"preempted {where}: {LAST[strategy]} written; continue with --resume auto"
+def preempted(where: str, strategy: str, t=None) -> str:
+    """The lines a run stopped by SIGTERM ends with (`where`: "at epoch E, step S", or "after epoch E"), and the
+    steps the training state `t` took in this process."""
+    line = f"preempted {where}: {LAST[strategy]} written; continue with --resume auto"
+    return line if t is None else f"{line}\n{t.describe_steps()}"
 
 
 def load(path: str | Path, strategy: str = "ddp", resumable: bool = True, evaluation: bool = False) -> dict[str, Any]:
@@ -101,6 +103,21 @@ def resume_path(resume: str | None, run_dir: str | Path, strategy: str = "ddp") 
             )
         return last.resolve() if last.exists() else None
     return Path(resume)
+
+
+def check_left(state: dict, resume: str, run_dir: str | Path, epochs: int) -> None:
+    """A resume from another run's checkpoint into this run's folder (`--resume PATH -n NEW`) whose epochs are all
+    done: nothing would be trained or written there; a UserError that names the two ways on. (Resumed into its own
+    folder, a finished run just ends.)"""
+    if resume in (None, "auto") or state.get("step_in_epoch") or state["epoch"] < epochs:
+        return
+    if Path(run_dir).resolve() in Path(resume).resolve().parents:
+        return
+    raise UserError(
+        f"--resume {resume}: its run has done {state['epoch']} epoch(s), and this run is {epochs} epoch(s) long: "
+        f"nothing is left to train into {str(run_dir)!r}; give --epochs above {state['epoch']} to continue it, or "
+        f"start a new run from its weights with --init-from {resume}"
+    )
 
 
 def restore_model(model: torch.nn.Module, state: dict, source: str) -> None:

@@ -15,32 +15,27 @@ from ddp_tricks.training.metric_states import Layout
 
 
 class Packed:
-    """Named tensors and host numbers flattened into one float64 vector on `device` (the tensors first, the numbers
-    after them as one tensor made from host data: one copy to the device); `named(values)` cuts a vector of that
-    layout (a reduced one, a gathered row) back into {name: list of floats}."""
+    """Named tensors and host numbers flattened into one float64 vector on `device`, in the order given (the numbers
+    copied to the device as one tensor: one copy from the host); `named(values)` cuts a vector of that layout (a
+    reduced one, a gathered row) back into {name: list of floats}. The layout depends on the sizes alone, so every
+    rank's is the same whether a value is a tensor on one rank and a number on another."""
 
     def __init__(self, device: torch.device, **parts):
-        tensors, numbers, where = [], [], {}
+        numbers, pieces, self.slices, at = [], [], {}, 0
         for name, value in parts.items():
             if isinstance(value, torch.Tensor):
-                where[name] = ("tensor", len(tensors), value.numel())
-                tensors.append(value.to(torch.float64).reshape(-1))
+                pieces.append(value.to(torch.float64).reshape(-1))
             else:
                 values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
-                where[name] = ("number", len(numbers), len(values))
+                pieces.append((len(numbers), len(values)))  # a slice of the numbers' one tensor, cut below
                 numbers.extend(values)
-        width = sum(t.numel() for t in tensors)
-        self.slices, at = {}, 0
-        for name, (kind, _, size) in where.items():
-            if kind == "tensor":
-                self.slices[name] = (at, size)
-                at += size
-        for name, (kind, first, size) in where.items():
-            if kind == "number":
-                self.slices[name] = (width + first, size)
+            size = pieces[-1].numel() if isinstance(pieces[-1], torch.Tensor) else pieces[-1][1]
+            self.slices[name] = (at, size)
+            at += size
         if numbers:
-            tensors.append(torch.tensor(numbers, dtype=torch.float64, device=device))
-        self.vector = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.float64, device=device)
+            host = torch.tensor(numbers, dtype=torch.float64, device=device)
+            pieces = [p if isinstance(p, torch.Tensor) else host[p[0] : p[0] + p[1]] for p in pieces]
+        self.vector = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
 
     def named(self, values) -> dict[str, list[float]]:
         values = values.tolist() if isinstance(values, torch.Tensor) else list(values)

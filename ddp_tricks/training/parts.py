@@ -16,6 +16,17 @@ from ddp_tricks.distributed.collectives import gather_objects, gather_to_host
 from ddp_tricks.training.meter import resume_rows
 
 
+class Absent:
+    """A part this run does not have (no EMA, no noise scale, no AdaScale): saved as None, so every checkpoint has
+    the same names; a checkpoint's is not loaded."""
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
 class Weights:
     """The unwrapped model's state dict (sharded ones: DTensors, their slices filled before loading)."""
 

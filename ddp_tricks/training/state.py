@@ -27,7 +27,7 @@ from ddp_tricks.training.gradients import ByWrapper, Traced
 from ddp_tricks.training.meter import EpochMeter
 from ddp_tricks.training.metric_states import Layout
 from ddp_tricks.training.noise import MicroBatches, NoiseScale, RankGradient
-from ddp_tricks.training.parts import Ema, Monitored, Noise, RandomStates, TaskState, Weights, restore_rng
+from ddp_tricks.training.parts import Absent, Ema, Monitored, Noise, RandomStates, TaskState, Weights, restore_rng
 from ddp_tricks.training.precision import Precision
 
 __all__ = ["Best", "NonFiniteLoss", "Progress", "Training", "describe_optimizer", "restore_rng"]
@@ -141,14 +141,13 @@ class Training:
             "schedule": self.schedule,
             "scaler": self.precision,
             "best": Monitored(self.best, self.early_stopping),
-            "adascale": self.adascale,
-            "noise": None if self.noise is None else Noise(self.noise, self.rank, self.world_size),
-            "ema": None if self.ema is None else Ema(self.ema, self.raw_model),  # after the model: it may start from it
+            "adascale": self.adascale or Absent(),
+            "noise": Absent() if self.noise is None else Noise(self.noise, self.rank, self.world_size),
+            "ema": Absent() if self.ema is None else Ema(self.ema, self.raw_model),  # after the model: starts from it
             "task": TaskState(self.task),
             "rng": RandomStates(self.world_size),
             "epoch_sums": self.meter,
         }
-        self.parts = {name: part for name, part in self.parts.items() if part is not None}
 
     @property
     def raw_model(self) -> nn.Module:
