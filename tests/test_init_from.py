@@ -162,3 +162,30 @@ def test_resume_is_the_same_run_strictly(tmp_path):
     line = _failed(tmp_path, "-n", "fresh", "--resume", ckpt, "--epochs", "1")
     assert "its run has done 2 epoch(s), and this run is 1 epoch(s) long" in line and "--init-from" in line
     assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_torchvision_weights_file_fine_tunes_resnet18_on_a_four_class_folder(tmp_path):
+    """The file torchvision's ResNet18_Weights would download (a plain state dict of the 1000-class model; made here
+    from torchvision's own builder, no network) starts the built-in task's --model resnet18 on a 4-class JPEG folder:
+    the head is replaced for the folder's classes and named; every other tensor is the file's."""
+    import numpy as np
+    from PIL import Image
+    from torchvision.models import resnet18
+
+    for split, count in (("train", 6), ("val", 2)):
+        rng = np.random.default_rng(len(split))
+        for label in ("a", "b", "c", "d"):
+            (tmp_path / split / label).mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / label / f"{i}.jpg", quality=90)
+    torch.manual_seed(0)
+    torch.save(resnet18(num_classes=1000).state_dict(), tmp_path / "resnet18-imagenet.pth")
+    folders = ["--dataset", "imagefolder", "--train-dir", str(tmp_path / "train"), "--val-dir", str(tmp_path / "val")]
+    out = _run(tmp_path, "-n", "ft", *folders, "--image-size", "32", "--model", "resnet18", "-b", "8", "--init-from",
+               str(tmp_path / "resnet18-imagenet.pth"))  # fmt: skip
+    assert "started from the weights of weights file" in out and "120 of 122 tensors loaded" in out, out
+    assert "re-initialised (as the model builds them): fc.weight [4, 512] (checkpoint [1000, 512]), fc.bias [4]" in out
+    assert len(_rows(tmp_path, "ft")) == 1
