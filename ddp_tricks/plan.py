@@ -40,6 +40,8 @@ class Step:
     progress: float = 1.0  # how far the step advances the schedule: a traced step, its samples / the reference batch
     uneven: bool = False  # the ranks' micro-batches differ in length (an epoch's short last step): a gather of rows
     # from every rank exchanges the row counts in this step (collectives.uneven_rows), in no other
+    slots: tuple[int, ...] = ()  # each micro-batch's place among the step's over all ranks: the same samples at any
+    # world size, which seed its batch transform (data.mixing)
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,8 @@ class Plan:
             group = [slot[s].tolist() for slot in mine]
             batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
             # slot k holds ceil((n - k) / slots) samples: the micro-batches differ unless the batch fills the slots
-            steps.append(Step(group, batch / ranks, batch, uneven=batch % self.slots != 0))
+            slots = tuple(range(rank, self.slots, self.world_size))
+            steps.append(Step(group, batch / ranks, batch, uneven=batch % self.slots != 0, slots=slots))
         if self.max_steps:  # --max-steps: the run's last epoch ends at its step
             return steps[: max(0, self.max_steps - (epoch - 1) * self.steps_per_epoch)]
         return steps
@@ -229,7 +232,8 @@ class Plan:
             batch = len(indices)
             factor = lr_factor(self.batch_lr_rule, batch, self.global_batch)
             progress = 1.0 if self.batch_lr_rule == "adascale" else batch / self.global_batch  # AdaScale's: its gain
-            steps.append(Step(mine, batch, batch, factor, progress))
+            slots = tuple(range(rank, -(-batch // self.micro_batch), self.world_size))  # deal's: j to rank j % world
+            steps.append(Step(mine, batch, batch, factor, progress, slots=slots))
         return steps
 
 
