@@ -70,6 +70,7 @@ class Plan:
     run_steps: int = 0  # the optimizer steps of the whole run (a traced run: the trace's rows it uses; auto: so far)
     epochs: int = 1  # the epochs the run trains: --epochs, or those --max-steps needs (its last cut short)
     max_steps: int = 0  # --max-steps: the run ends after this many optimizer steps (0: after its epochs)
+    aug_repeats: int = 0  # --aug-repeats: each sample R times a step, on other slots (0, 1: off)
 
     @property
     def auto(self) -> bool:
@@ -206,6 +207,9 @@ class Plan:
         sampler = DistributedSampler(range(self.num_train), 1, 0, shuffle=True, seed=self.seed)
         sampler.set_epoch(epoch)
         order = torch.tensor(list(sampler))
+        if self.aug_repeats > 1:  # DeiT's: the epoch's first N / R samples R times in a row (consecutive slots),
+            r, kept = self.aug_repeats, order[: -(-len(order) // self.aug_repeats)]  # copy c of i as i + c N
+            order = (kept.repeat_interleave(r) + torch.arange(r).repeat(len(kept)) * self.num_train)[: len(order)]
         if self.drop_last:  # the samples that divide evenly over the slots
             order = order[: self.num_train // self.slots * self.slots]
         mine = [order[k :: self.slots].split(self.micro_batch) for k in range(rank, self.slots, self.world_size)]
@@ -261,6 +265,7 @@ def make(
     max_global_batch: int = 0,
     equal_shares: str = "",
     max_steps: int = 0,
+    aug_repeats: int = 0,
 ) -> Plan:
     """The plan for these numbers; an impossible combination is a UserError that names the fix. `run_batch`: a
     resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
@@ -311,6 +316,11 @@ def make(
                 f"--accum-steps {accum_steps}) exceeds the {num_train} training samples: lower --batch-size"
                 + (" or --accum-steps" if accum_steps > 1 else "")
             )
+        if aug_repeats > 1 and global_batch % aug_repeats:
+            raise UserError(
+                f"--aug-repeats {aug_repeats} must divide the global batch {global_batch}, so that each sample's "
+                "repeats are in one step: change --batch-size, --accum-steps or the processes"
+            )
         steps_per_epoch = epoch_steps(num_train, global_batch, micro_batch, drop_last)
         if max_steps:  # the schedule's length is the run's steps; the epochs are as many as they need
             epochs = -(-max_steps // steps_per_epoch)
@@ -357,6 +367,7 @@ def make(
         run_steps=run_steps,
         epochs=epochs,
         max_steps=max_steps if trace is None else 0,
+        aug_repeats=aug_repeats,
     )
 
 

@@ -30,6 +30,7 @@ def plan_options(flags: argparse.Namespace) -> dict:
         "step_epochs": flags.step_epochs,
         "drop_last": flags.drop_last,
         "max_steps": flags.max_steps,
+        "aug_repeats": flags.aug_repeats,
     }
 
 
