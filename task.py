@@ -32,6 +32,8 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
     cached_accumulation = True   optional: with --accum-steps N, loss() gets the outputs of all N micro-batches of
                                  a step at once (GradCache: exact for a loss over the batch, such as a contrastive
                                  one; costs a second forward, keeps one micro-batch's memory)
+    batch_transform(inputs, targets)  optional: a training batch on the device before the forward (v2.CutMix as it
+                                 is), its draws seeded per (seed, step, micro-batch); --mixup/--cutmix: the built-in
     after_step(self, model, step, progress)  optional: once after every optimizer step taken, on every rank, under
                                  no_grad, with the unwrapped model, the run's step and its progress in (0, 1]: a
                                  teacher's EMA, a momentum schedule (examples/byol.py)
