@@ -125,7 +125,7 @@ def run(flags, task, process: launch.Launch) -> int:
         if dist.is_main:
             log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path, found.groups))
         return 0
-    train_loader, val_loader = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
+    train_loader, val_loader = loaders.both(train_set, val_set, dist, *found.batching(), **cli.loader_options(flags))
     if flags.eval_only:
         row = step_evaluations.metrics_row(t, val_loader)
         folder.append(row, "eval.csv")  # beside the run's metrics.csv, never into it

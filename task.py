@@ -32,6 +32,8 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
     cached_accumulation = True   optional: with --accum-steps N, loss() gets the outputs of all N micro-batches of
                                  a step at once (GradCache: exact for a loss over the batch, such as a contrastive
                                  one; costs a second forward, keeps one micro-batch's memory)
+    batch_transform(inputs, targets)  optional: a training batch on the device before the forward (v2.CutMix as it
+                                 is), its draws seeded per (seed, step, micro-batch); --mixup/--cutmix: the built-in
     after_step(self, model, step, progress)  optional: once after every optimizer step taken, on every rank, under
                                  no_grad, with the unwrapped model, the run's step and its progress in (0, 1]: a
                                  teacher's EMA, a momentum schedule (examples/byol.py)
@@ -82,7 +84,8 @@ class Task:
                             "or a torchvision classifier name")  # fmt: skip
         g.add_argument("--init", choices=("default", "he"), default="default",
                        help="he: Kaiming-normal init of conv and linear weights")  # fmt: skip
-        g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
+        g.add_argument("--label-smoothing", "--smoothing", type=float, default=0.0,
+                       help="cross-entropy label smoothing (--smoothing: timm's name)")  # fmt: skip
 
     def __init__(self, args):
         from ddp_tricks import UserError
@@ -109,7 +112,9 @@ class Task:
         self.args = args
 
     def datasets(self):
+        from ddp_tricks.cli.image_flags import image_options
         from ddp_tricks.data import images
+        from ddp_tricks.data.recipe import ImageRecipe
 
         a = self.args
         if a.dataset == "digits":
@@ -121,7 +126,8 @@ class Task:
         elif a.dataset == "cifar10":
             train, val = images.cifar10(a.data_root, a.download)
         else:
-            train, val = images.image_folders(a.train_dir, a.val_dir, a.image_size or 224, backend=a.data_backend)
+            recipe = ImageRecipe(**image_options(a))  # timm's flags: the crop, --aa, erasing, mean and std
+            train, val = images.image_folders(a.train_dir, a.val_dir, a.image_size or 224, True, a.data_backend, recipe)
         if a.image_size and a.dataset in ("digits", "mnist-idx", "mnist", "fashion-mnist"):
             train, val = images.resized(train, a.image_size), images.resized(val, a.image_size)
         shape = getattr(train, "image_shape", None) or tuple(train[0][0].shape)  # a folder's: what its batches hold
@@ -147,8 +153,9 @@ class Task:
         return models.build(self.args.model, self.in_channels, self.num_classes, self.args.init)
 
     def loss(self, outputs, targets):
-        """Cross-entropy on the logits; GoogLeNet's and Inception-v3's auxiliary heads (their training-mode
-        outputs) add theirs, weighted as models.AUX_WEIGHTS says."""
+        """Cross-entropy on the logits, against labels or class probabilities (--mixup, --cutmix: soft targets);
+        GoogLeNet's and Inception-v3's auxiliary heads (their training-mode outputs) add theirs, weighted as
+        models.AUX_WEIGHTS says."""
         import torch.nn.functional as F
 
         from ddp_tricks import models
@@ -163,7 +170,8 @@ class Task:
     def metric_sums(self, outputs, targets):
         from ddp_tricks import models
 
-        return {"acc": (models.main_and_aux(outputs)[0].argmax(1) == targets).sum()}
+        labels = targets.argmax(1) if targets.is_floating_point() else targets  # mixed: the larger share's class
+        return {"acc": (models.main_and_aux(outputs)[0].argmax(1) == labels).sum()}
 
 
 def count_classes(train, val) -> int:

@@ -40,6 +40,8 @@ class Step:
     progress: float = 1.0  # how far the step advances the schedule: a traced step, its samples / the reference batch
     uneven: bool = False  # the ranks' micro-batches differ in length (an epoch's short last step): a gather of rows
     # from every rank exchanges the row counts in this step (collectives.uneven_rows), in no other
+    slots: tuple[int, ...] = ()  # each micro-batch's place among the step's over all ranks: the same samples at any
+    # world size, which seed its batch transform (data.mixing)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Plan:
     run_steps: int = 0  # the optimizer steps of the whole run (a traced run: the trace's rows it uses; auto: so far)
     epochs: int = 1  # the epochs the run trains: --epochs, or those --max-steps needs (its last cut short)
     max_steps: int = 0  # --max-steps: the run ends after this many optimizer steps (0: after its epochs)
+    aug_repeats: int = 0  # --aug-repeats: each sample R times a step, on other slots (0, 1: off)
 
     @property
     def auto(self) -> bool:
@@ -204,6 +207,9 @@ class Plan:
         sampler = DistributedSampler(range(self.num_train), 1, 0, shuffle=True, seed=self.seed)
         sampler.set_epoch(epoch)
         order = torch.tensor(list(sampler))
+        if self.aug_repeats > 1:  # DeiT's: the epoch's first N / R samples R times in a row (consecutive slots),
+            r, kept = self.aug_repeats, order[: -(-len(order) // self.aug_repeats)]  # copy c of i as i + c N
+            order = (kept.repeat_interleave(r) + torch.arange(r).repeat(len(kept)) * self.num_train)[: len(order)]
         if self.drop_last:  # the samples that divide evenly over the slots
             order = order[: self.num_train // self.slots * self.slots]
         mine = [order[k :: self.slots].split(self.micro_batch) for k in range(rank, self.slots, self.world_size)]
@@ -213,7 +219,8 @@ class Plan:
             group = [slot[s].tolist() for slot in mine]
             batch = min(self.global_batch, self.num_train - s * self.global_batch)  # short: the epoch's last
             # slot k holds ceil((n - k) / slots) samples: the micro-batches differ unless the batch fills the slots
-            steps.append(Step(group, batch / ranks, batch, uneven=batch % self.slots != 0))
+            slots = tuple(range(rank, self.slots, self.world_size))
+            steps.append(Step(group, batch / ranks, batch, uneven=batch % self.slots != 0, slots=slots))
         if self.max_steps:  # --max-steps: the run's last epoch ends at its step (the global step at its start: given)
             return steps[: max(0, self.max_steps - (first_trace_step or (epoch - 1) * self.steps_per_epoch))]
         return steps
@@ -229,7 +236,8 @@ class Plan:
             batch = len(indices)
             factor = lr_factor(self.batch_lr_rule, batch, self.global_batch)
             progress = 1.0 if self.batch_lr_rule == "adascale" else batch / self.global_batch  # AdaScale's: its gain
-            steps.append(Step(mine, batch, batch, factor, progress))
+            slots = tuple(range(rank, -(-batch // self.micro_batch), self.world_size))  # deal's: j to rank j % world
+            steps.append(Step(mine, batch, batch, factor, progress, slots=slots))
         return steps
 
 
@@ -257,6 +265,7 @@ def make(
     max_global_batch: int = 0,
     equal_shares: str = "",
     max_steps: int = 0,
+    aug_repeats: int = 0,
 ) -> Plan:
     """The plan for these numbers; an impossible combination is a UserError that names the fix. `run_batch`: a
     resumed run's (global batch, micro-batch), which it keeps at this world size (`layout`), whatever the flags'
@@ -307,6 +316,11 @@ def make(
                 f"--accum-steps {accum_steps}) exceeds the {num_train} training samples: lower --batch-size"
                 + (" or --accum-steps" if accum_steps > 1 else "")
             )
+        if aug_repeats > 1 and global_batch % aug_repeats:
+            raise UserError(
+                f"--aug-repeats {aug_repeats} must divide the global batch {global_batch}, so that each sample's "
+                "repeats are in one step: change --batch-size, --accum-steps or the processes"
+            )
         steps_per_epoch = epoch_steps(num_train, global_batch, micro_batch, drop_last)
         if max_steps:  # the schedule's length is the run's steps; the epochs are as many as they need
             epochs = -(-max_steps // steps_per_epoch)
@@ -353,6 +367,7 @@ def make(
         run_steps=run_steps,
         epochs=epochs,
         max_steps=max_steps if trace is None else 0,
+        aug_repeats=aug_repeats,
     )
 
 

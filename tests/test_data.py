@@ -236,8 +236,9 @@ def test_a_checkpoint_with_an_empty_plan_falls_back_to_its_flags():
 
 
 def test_the_feed_finishes_each_batch_and_keeps_no_wait_of_its_own():
-    """The loader's wait is the step log's (it times each next() of the loop): the Feed holds its loader, device and
-    finishing only. Broken on purpose: the Feed's own `waited` counter (read by nothing) back fails it."""
+    """The loader's wait is the step log's (it times each next() of the loop): the Feed holds its loader, device,
+    finishing and batch transform only. Broken on purpose: the Feed's own `waited` counter (read by nothing) back
+    fails it."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from ddp_tricks.data.feed import Feed
@@ -249,4 +250,4 @@ def test_the_feed_finishes_each_batch_and_keeps_no_wait_of_its_own():
     assert [len(t) for _, t in batches] == [4, 2] and len(feed) == 2
     assert torch.equal(torch.cat([x for x, _ in batches]), 2 * inputs)
     assert torch.equal(torch.cat([t for _, t in batches]), targets)
-    assert sorted(vars(feed)) == ["device", "finish", "loader"]
+    assert sorted(vars(feed)) == ["device", "finish", "loader", "transform"]

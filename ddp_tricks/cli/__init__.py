@@ -7,6 +7,7 @@ checks everything, and returns the validated `argparse.Namespace` and the task c
     large_models.py --activation-checkpointing, --fsdp-replicas (a group after flags.py's)
     step_flags.py   per-step rows (--log-interval, --wandb), --max-steps, --eval-every-steps
     init_flags.py   --init-from: a new run from another run's checkpoint or a weights file
+    image_flags.py  the image recipe by timm's names (--mean, --aa, --reprob, --mixup, --aug-repeats, ...)
     options.py      what each component (plan, optimizer, schedule, loaders, start-up checks) takes from the flags
 """
 
@@ -23,6 +24,7 @@ from ddp_tricks.cli import config_file
 from ddp_tricks.cli.checks import check, given_flags
 from ddp_tricks.cli.config_file import blame
 from ddp_tricks.cli.flags import Parser
+from ddp_tricks.cli.image_flags import image_options, mixing_options
 from ddp_tricks.cli.init_flags import init_options
 from ddp_tricks.cli.large_models import build_parser
 from ddp_tricks.cli.options import (
@@ -57,6 +59,8 @@ __all__ = [
     "step_log_options",
     "step_sink_options",
     "init_options",
+    "image_options",
+    "mixing_options",
 ]
 
 

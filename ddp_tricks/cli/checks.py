@@ -8,6 +8,7 @@ import argparse
 import copy
 
 from ddp_tricks import schedules
+from ddp_tricks.cli.image_flags import check_image_flags
 from ddp_tricks.cli.init_flags import check_init_flags
 from ddp_tricks.cli.step_flags import check_step_flags
 from ddp_tricks.errors import UserError
@@ -73,6 +74,7 @@ def check(
     _check_values(cfg)
     check_step_flags(cfg, given)
     check_init_flags(cfg)
+    check_image_flags(cfg)
     _check_combinations(cfg)
     ignored = [(dest, needs) for dests, acts, needs in ONLY_WITH for dest in dests if dest in given and not acts(cfg)]
     if ignored:

@@ -9,6 +9,7 @@ import argparse
 
 from ddp_tricks.cli.flags import build_parser as build_flags_parser
 from ddp_tricks.cli.flags import positive_int
+from ddp_tricks.cli.image_flags import add_image_flags
 from ddp_tricks.cli.init_flags import add_init_flags
 
 CHECKPOINTING = ("full", "ops")  # or an integer K: every K-th block
@@ -60,8 +61,10 @@ def large_model_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full command line: flags.py's groups, then the large-model flags and those that start from a checkpoint."""
+    """The full command line: flags.py's groups, then the large-model flags, the image recipe's and those that
+    start from a checkpoint."""
     parser = build_flags_parser()
     large_model_flags(parser.add_argument_group("models larger than a device (FSDP, recomputation)"))
+    add_image_flags(parser)
     add_init_flags(parser)
     return parser

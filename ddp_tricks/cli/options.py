@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from ddp_tricks.cli.image_flags import image_options, mixing_options
 from ddp_tricks.schedules import decay_kind
 
 
@@ -29,6 +30,7 @@ def plan_options(flags: argparse.Namespace) -> dict:
         "step_epochs": flags.step_epochs,
         "drop_last": flags.drop_last,
         "max_steps": flags.max_steps,
+        "aug_repeats": flags.aug_repeats,
     }
 
 
@@ -88,6 +90,9 @@ def check_options(flags: argparse.Namespace) -> dict:
         "checkpointing": flags.activation_checkpointing,
         "fsdp_replicas": flags.fsdp_replicas,
         "count_flops": flags.log_interval > 0 and not (flags.eval_only or flags.plot_lr),
+        "mixing": mixing_options(flags),
+        "recipe": image_options(flags),
+        "aug_repeats": flags.aug_repeats,
     }
 
 

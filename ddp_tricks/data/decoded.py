@@ -5,10 +5,14 @@ collated channels-last. The conversion to floating point and the normalisation h
 device (`finish`, which data.feed.Feed applies to each batch): 4x fewer bytes cross shared memory, pinned
 memory and the host-to-device copy than float32, and the CPU does no per-pixel arithmetic.
 
-A training sample's crop and flip are drawn from a generator seeded by (seed, epoch, sample index) alone
+A training sample's crop and flip, and what the recipe adds after them (data/augment.py: colour jitter, --aa,
+random erasing, by transforms.v2 on uint8), are drawn from a generator seeded by (seed, epoch, sample index) alone
 (`sample_rng`), so the same sample gets the same augmentation at any number of workers and ranks, and a run
-resumed on another world size follows the uninterrupted one. The epoch reaches worker processes (persistent ones
-too) through a shared-memory tensor that `seed_augmentation` sets before each epoch's iteration starts.
+resumed on another world size follows the uninterrupted one. The recipe (data/recipe.py: timm's flags) also sets the
+crop's scale and ratio, the flip's probability, the resize's interpolation, the validation resize and the mean and
+std. An index past the folder's length is a repeat (--aug-repeats): the file of index mod length, augmented anew.
+The epoch reaches worker processes (persistent ones too) through a shared-memory tensor that `seed_augmentation`
+sets before each epoch's iteration starts.
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from ddp_tricks.data.recipe import MEAN, STD, ImageRecipe
 from ddp_tricks.errors import UserError
 
-MEAN = (0.485, 0.456, 0.406)  # ImageNet's, as torchvision's reference scripts normalise
-STD = (0.229, 0.224, 0.225)
 SCALE = (0.08, 1.0)  # RandomResizedCrop's defaults
 RATIO = (3 / 4, 4 / 3)
 GPU_IMAGES_PER_SECOND = 3000  # about what one A100 trains ResNet-50 at (FFCV's and DALI's figures): what to feed
@@ -42,24 +45,24 @@ def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
     return random.Random((seed * 1_000_003 + epoch) * 4_294_967_311 + index)
 
 
-def crop_box(rng: random.Random, width: int, height: int) -> tuple[int, int, int, int]:
+def crop_box(rng: random.Random, width: int, height: int, scale=SCALE, ratio=RATIO) -> tuple[int, int, int, int]:
     """RandomResizedCrop's box (top, left, height, width) for an image of width x height, by torchvision's own
-    rule (10 tries of a random area and aspect ratio, then the central crop of the clamped ratio), drawn from
-    `rng`."""
+    rule (10 tries of a random area in `scale` and aspect ratio in `ratio`, then the central crop of the clamped
+    ratio), drawn from `rng`."""
     area = width * height
-    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
-        target_area = area * rng.uniform(*SCALE)
+        target_area = area * rng.uniform(*scale)
         aspect = math.exp(rng.uniform(*log_ratio))
         w = int(round(math.sqrt(target_area * aspect)))
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:
             return rng.randint(0, height - h), rng.randint(0, width - w), h, w
     in_ratio = width / height
-    if in_ratio < RATIO[0]:
-        w, h = width, int(round(width / RATIO[0]))
-    elif in_ratio > RATIO[1]:
-        h, w = height, int(round(height * RATIO[1]))
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
@@ -109,12 +112,14 @@ def _scaled(box, sx: float, sy: float) -> tuple[int, int, int, int]:
     return int(top * sy), int(left * sx), max(1, round(h * sy)), max(1, round(w * sx))
 
 
-def on_device(images: torch.Tensor, dtype: torch.dtype = torch.float32, channels_last: bool = True) -> torch.Tensor:
+def on_device(
+    images: torch.Tensor, dtype: torch.dtype = torch.float32, channels_last: bool = True, mean=MEAN, std=STD
+) -> torch.Tensor:
     """A uint8 batch (N, 3, H, W), already on its device, as the model's input: `dtype`, scaled to [0, 1] and
-    normalised by ImageNet's mean and std with the reference's own arithmetic (ToTensor's division by 255, then
-    Normalize's subtraction and division), in channels-last memory or contiguous."""
-    mean = torch.tensor(MEAN, dtype=dtype, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, dtype=dtype, device=images.device).view(1, 3, 1, 1)
+    normalised by `mean` and `std` (ImageNet's by default) with the reference's own arithmetic (ToTensor's division
+    by 255, then Normalize's subtraction and division), in channels-last memory or contiguous."""
+    mean = torch.tensor(mean, dtype=dtype, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(std, dtype=dtype, device=images.device).view(1, 3, 1, 1)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     return images.to(dtype).div_(255).sub_(mean).div_(std).contiguous(memory_format=layout)
 
@@ -131,16 +136,24 @@ def collate_channels_last(samples) -> tuple[torch.Tensor, torch.Tensor]:
 
 class DecodedImages(Dataset):
     """An ImageNet-style folder (one sub-folder per class) whose samples are (uint8 image, label): training
-    samples with RandomResizedCrop and a horizontal flip drawn from `sample_rng` (train=True), validation
-    samples resized (the shorter side to size x 256 / 224) and centre-cropped. `finish` makes a batch the model's
-    input on the device."""
+    samples with RandomResizedCrop, a horizontal flip and the recipe's augmentation drawn from `sample_rng`
+    (train=True), validation samples resized (the shorter side to size / crop_pct) and centre-cropped. `finish` makes
+    a batch the model's input on the device (normalised by the recipe's mean and std)."""
 
-    def __init__(self, root: str, size: int, train: bool, draft: bool = True, seed: int = 0):
+    repeats = True  # an index past the length is a repeat of index mod length, augmented anew (--aug-repeats)
+
+    def __init__(
+        self, root: str, size: int, train: bool, draft: bool = True, seed: int = 0, recipe: ImageRecipe | None = None
+    ):
         from torchvision import datasets
+
+        from ddp_tricks.data.augment import Augment
 
         folder = datasets.ImageFolder(root, loader=str)  # lists the files and classes; reads none
         self.samples, self.classes = folder.samples, folder.classes
         self.size, self.train, self.draft = size, train, draft
+        self.recipe = recipe or ImageRecipe()
+        self.augment = Augment(self.recipe) if train and self.recipe.augments else None
         # (seed, epoch) in shared memory: worker processes, persistent ones too, see each epoch's
         self.epoch = torch.tensor([seed, 0], dtype=torch.int64).share_memory_()
 
@@ -159,12 +172,14 @@ class DecodedImages(Dataset):
         """The input pipeline in a line, for the run's log: with training samples, this machine's CPU time per sample
         and the cores one GPU needs at that rate."""
         line = f"image folder of {len(self)} images at {self.size} px, {self.backend}, uint8, normalised on the device"
+        line += f"; then {self.recipe.describe()}" if self.train and self.recipe.augments else ""
         return line + (f"; {cores_per_gpu(self)}" if self.train and len(self) > 1 else "")
 
     def finish(self, images: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
         """A uint8 batch of this dataset's images as the model's float32 input on `device` (the copy non-blocking:
         from pinned memory it overlaps the compute)."""
-        return on_device(images.to(device, non_blocking=True), torch.float32, channels_last)
+        moved = images.to(device, non_blocking=True)
+        return on_device(moved, torch.float32, channels_last, self.recipe.mean, self.recipe.std)
 
     def seed_augmentation(self, seed: int, epoch: int) -> None:
         """The epoch's augmentation: set before the epoch's iteration starts (loaders.seed_epoch)."""
@@ -173,30 +188,39 @@ class DecodedImages(Dataset):
     def box_and_flip(self, index: int, width: int, height: int) -> tuple[tuple[int, int, int, int], bool]:
         """A training sample's crop box (top, left, height, width) in an image of width x height and whether it is
         flipped, in the current epoch; a validation sample's box is the whole image."""
-        if not self.train:
-            return (0, 0, height, width), False
+        return self.draws(index, width, height)[:2]
+
+    def draws(self, index: int, width: int, height: int) -> tuple[tuple[int, int, int, int], bool, random.Random]:
+        """box_and_flip's, and the sample's generator after them, which the rest of its augmentation draws from."""
         seed, epoch = self.epoch.tolist()
         rng = sample_rng(seed, epoch, index)
-        return crop_box(rng, width, height), rng.random() < 0.5
+        if not self.train:
+            return (0, 0, height, width), False, rng
+        box = crop_box(rng, width, height, self.recipe.scale, self.recipe.ratio)
+        return box, rng.random() < self.recipe.hflip, rng
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         from torchvision.transforms.v2 import functional as F
 
-        path, label = self.samples[index]
+        from ddp_tricks.data.augment import validation_resize
+
+        path, label = self.samples[index % len(self.samples)]
         decided = {}
 
         def choose(width: int, height: int) -> tuple[int, int, int, int]:
-            decided["box"], decided["flip"] = self.box_and_flip(index, width, height)
+            decided["box"], decided["flip"], decided["rng"] = self.draws(index, width, height)
             return decided["box"]
 
+        interpolation = F.InterpolationMode(self.recipe.interpolation)
         if not self.train:  # the reference's Resize (the shorter side) then CenterCrop
-            resize = int(self.size * 256 / 224)
+            resize = validation_resize(self.size, self.recipe.crop_pct)
             pixels, _ = read_image(path, choose, (resize, resize), self.draft)
-            image = F.center_crop(F.resize(pixels, resize, antialias=True), [self.size, self.size])
-            return image, label
+            image = F.resize(pixels, resize, interpolation, antialias=True)
+            return F.center_crop(image, [self.size, self.size]), label
         pixels, box = read_image(path, choose, (self.size, self.size), self.draft)
-        image = F.resized_crop(pixels, *box, [self.size, self.size], antialias=True)
-        return (F.horizontal_flip(image) if decided["flip"] else image), label
+        image = F.resized_crop(pixels, *box, [self.size, self.size], interpolation, antialias=True)
+        image = F.horizontal_flip(image) if decided["flip"] else image
+        return (image if self.augment is None else self.augment(image, decided["rng"])), label
 
 
 def seconds_per_sample(dataset, count: int = TIMED) -> float:

@@ -21,6 +21,7 @@ class EncodedImages(DecodedImages):
     model's input batch by `finish` on the device given (decode, crop, resize, flip, normalise)."""
 
     backend = "data backend gpu-decode: the batch decoded on the device by decode_jpeg"
+    repeats = False  # the default recipe only (images.image_folders): no --aug-repeats
 
     def __getitem__(self, index: int):
         from PIL import Image

@@ -126,14 +126,24 @@ def cifar10(root: str, download: bool) -> tuple[Dataset, Dataset]:
 
 
 def image_folders(
-    train_dir: str, val_dir: str, size: int, draft: bool = True, backend: str = "torchvision"
+    train_dir: str, val_dir: str, size: int, draft: bool = True, backend: str = "torchvision", recipe=None
 ) -> tuple[Dataset, Dataset]:
     """ImageNet-style folders (one sub-folder per class) read as uint8 (data.decoded): the usual
-    random-resized-crop training, each sample's augmentation a function of (seed, epoch, index); the
-    normalisation happens on the device. `backend`: torchvision (decoded by the CPU workers), gpu-decode (decoded
-    on the GPU, data.gpu_decode), dali (NVIDIA DALI decodes and augments the batch, data.dali)."""
+    random-resized-crop training and what `recipe` (data.recipe.ImageRecipe: timm's flags) adds, each sample's
+    augmentation a function of (seed, epoch, index); the normalisation happens on the device. `backend`: torchvision
+    (decoded by the CPU workers), gpu-decode (decoded on the GPU, data.gpu_decode), dali (NVIDIA DALI decodes and
+    augments the batch, data.dali), these two with the default recipe only."""
     from ddp_tricks.data import gpu_decode
     from ddp_tricks.data.decoded import DecodedImages
+    from ddp_tricks.data.recipe import ImageRecipe
+
+    recipe = recipe or ImageRecipe()
+    if backend != "torchvision" and recipe != ImageRecipe():
+        changed = [name for name, value in vars(recipe).items() if value != getattr(ImageRecipe(), name)]
+        raise UserError(
+            f"--{changed[0].replace('_', '-')} is done by --data-backend torchvision only (this run's is {backend}): "
+            "use it, or leave the image recipe's flags at their defaults"
+        )
 
     if backend == "dali":
         from ddp_tricks.data import dali
@@ -150,8 +160,9 @@ def image_folders(
                 f"{flag} {path!r} is not a folder: give an ImageNet-style folder with one sub-folder per class"
             )
     try:
-        train = kind(train_dir, size, train=True, draft=draft)
-        val = kind(val_dir, size, train=False, draft=draft)
+        options = {"recipe": recipe} if kind is DecodedImages else {}
+        train = kind(train_dir, size, train=True, draft=draft, **options)
+        val = kind(val_dir, size, train=False, draft=draft, **options)
     except (FileNotFoundError, OSError) as error:
         raise UserError(
             f"cannot read the image folders ({error}); each needs one sub-folder of images per class"

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ddp_tricks.data.in_memory import InMemoryDataset
+from ddp_tricks.data.mixing import batch_key
 from ddp_tricks.data.workers import Loader, worker_init
 from ddp_tricks.errors import UserError
 
@@ -79,9 +80,23 @@ class PlanSampler(Sampler[list[int]]):
 
     def __init__(self):
         self.micro_batches: list[list[int]] = []
+        self.places: list[tuple[int, int]] = []  # each micro-batch's (step of the epoch, slot)
+        self.epoch_seed = (0, 0)
 
     def start(self, steps, first_step: int = 0) -> None:
         self.micro_batches = [indices for step in steps[first_step:] for indices in step.micro_batches]
+        self.places = [
+            (first_step + s, slot)
+            for s, step in enumerate(steps[first_step:])
+            for slot in getattr(step, "slots", ()) or range(len(step.micro_batches))
+        ]
+
+    def seed(self, seed: int, epoch: int) -> None:
+        self.epoch_seed = (seed, epoch)
+
+    def keys(self) -> list[int]:
+        """The batch transform's key of each micro-batch it yields: (seed, epoch, step of the epoch, slot)."""
+        return [batch_key(*self.epoch_seed, step, slot) for step, slot in self.places]
 
     def __iter__(self):
         return iter(self.micro_batches)
@@ -96,6 +111,8 @@ def seed_epoch(loader: DataLoader, epoch: int, seed: int, rank: int) -> None:
     epoch_seed = (seed * 1_000_003 + rank) * 1_009 + epoch
     loader.generator.manual_seed(epoch_seed)
     torch.manual_seed(epoch_seed)
+    if hasattr(loader.batch_sampler, "seed"):  # the batch transform's keys (data.mixing)
+        loader.batch_sampler.seed(seed, epoch)
     seed_augmentation = getattr(loader.dataset, "seed_augmentation", None)
     if seed_augmentation is not None:  # a dataset whose augmentation is a function of (seed, epoch, sample)
         seed_augmentation(seed, epoch)
@@ -189,6 +206,7 @@ def both(
     val_set: Dataset,
     dist,
     collate: Callable | None = None,
+    batch_transform: Callable | None = None,
     *,
     val_batch_size: int,
     seed: int,
@@ -197,7 +215,8 @@ def both(
     channels_last: bool = False,
 ) -> tuple[DataLoader, DataLoader]:
     """The run's training and validation loaders, for this rank of `dist` (launch.Dist: rank, world size, device);
-    a dataset that finishes its batches on the device (`finish`: uint8 images) gets a Feed, which does it."""
+    a dataset that finishes its batches on the device (`finish`: uint8 images) gets a Feed, which does it, and so
+    does training with a `batch_transform` (the task's, or --mixup's: data.mixing), which the Feed runs after it."""
     train = train_loader(train_set, dist.rank, dist.device, seed, workers, prefetch_factor, collate)
     val = val_loader(
         val_set, val_batch_size, dist.rank, dist.world_size, dist.device, seed, workers, prefetch_factor, collate
@@ -205,14 +224,16 @@ def both(
     describe = getattr(train_set, "describe", None)
     if describe is not None:  # the run's log says where its input is decoded (rank 0's log: the others are quiet)
         logging.getLogger("ddp_tricks").info("input: %s; %d loader worker(s) per rank", describe(), workers)
-    return fed(train, dist.device, channels_last), fed(val, dist.device, channels_last)
+    return fed(train, dist.device, channels_last, batch_transform), fed(val, dist.device, channels_last)
 
 
-def fed(loader: DataLoader, device: torch.device, channels_last: bool = False):
-    """The loader as a Feed where its dataset finishes batches on the device (`finish`), else as it is."""
+def fed(loader: DataLoader, device: torch.device, channels_last: bool = False, batch_transform=None):
+    """The loader as a Feed where its dataset finishes batches on the device (`finish`) or a `batch_transform`
+    follows, else as it is."""
+    from ddp_tricks.data.feed import Feed, moved
+
     finish = getattr(loader.dataset, "finish", None)
-    if finish is None:
+    if finish is None and batch_transform is None:
         return loader
-    from ddp_tricks.data.feed import Feed
-
-    return Feed(loader, device, functools.partial(finish, channels_last=channels_last))
+    finish = moved if finish is None else functools.partial(finish, channels_last=channels_last)
+    return Feed(loader, device, finish, batch_transform)

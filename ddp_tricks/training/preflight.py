@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ddp_tricks import activations
+from ddp_tricks.data.mixing import Mixing
+from ddp_tricks.data.recipe import ImageRecipe
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.distributed.mesh import Mesh
 from ddp_tricks.errors import UserError
@@ -41,6 +43,9 @@ class Setup:
     checkpointing: str | None = None  # --activation-checkpointing: its mode (activations.py), or None
     fsdp_replicas: int = 1  # --fsdp-replicas: HSDP's replicas (distributed/mesh.py)
     count_flops: bool = False  # a training run with per-step rows: a step's FLOPs counted (flops.py)
+    mixing: dict | None = None  # --mixup, --cutmix: data.mixing.Mixing's settings (None: neither)
+    recipe: dict | None = None  # the image recipe's flags (data.recipe.ImageRecipe's settings)
+    aug_repeats: int = 0  # --aug-repeats
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ class Findings:
     checkpointing_line: str | None = None  # --activation-checkpointing: what is checkpointed, for the start line
     flops: Flops | None = None  # a training step's FLOPs per sample, counted (None: not counted)
     mesh: Mesh | None = None  # --strategy fsdp: the ranks' mesh, checked, to be built once after joining
+    batch_transform: Callable | None = None  # the task's batch_transform, or --mixup's (data.mixing), or None
+
+    def batching(self) -> tuple[Callable | None, Callable | None]:
+        """data.loaders.both's collate and batch transform (the task's, or --mixup's)."""
+        return self.collate, self.batch_transform
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
@@ -75,6 +85,8 @@ class Findings:
     def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
         """What the run's log says about them at its start."""
         notes = [line for line in (self.shard_line, self.checkpointing_line) if line]
+        if self.batch_transform is not None:
+            notes.append(describe_transform(self.batch_transform))
         notes += [self.flops.describe()] if self.flops is not None else []
         if self.measures_noise:
             notes.append(auto_batch.describe(plan, self.own_units, self.noise_every))
@@ -98,6 +110,44 @@ def describe_group(group: dict) -> str:
     """`backbone (12 tensors, LR x0.1, wd 0)`: one of the task's parameter groups, for the start line."""
     decay = f", wd {group['weight_decay']:g}" if "weight_decay" in group else ""
     return f"{group['name']} ({len(group['params'])} tensors, LR x{group['lr_mult']:g}{decay})"
+
+
+def describe_transform(transform) -> str:
+    """The batch transform for the start line: --mixup's says itself; a task's is named."""
+    if hasattr(transform, "describe"):
+        return transform.describe()
+    name = getattr(transform, "__qualname__", type(transform).__name__)
+    return f"batch transform: the task's ({name}), drawn from (seed, step, micro-batch): a resume repeats its draws"
+
+
+def batch_transform(task, mixing: dict | None) -> Callable | None:
+    """The training batches' transform: the task's `batch_transform`, or --mixup / --cutmix's (`mixing`), or None."""
+    own = getattr(task, "batch_transform", None)
+    if own is not None and mixing is not None:
+        raise UserError("--mixup and --cutmix would replace the task's own batch_transform: drop them, or the task's")
+    if mixing is None:
+        return own
+    classes = getattr(task, "num_classes", None)
+    if not isinstance(classes, int):
+        raise UserError("--mixup and --cutmix need the task's number of classes: set self.num_classes in datasets()")
+    return Mixing(classes, **mixing)
+
+
+def check_recipe(setup: Setup, dataset) -> None:
+    """The image recipe's flags act on image folders read by data.decoded; on another training set, or with
+    --aug-repeats on one that cannot repeat a sample, they would be ignored: one line."""
+    flags = ImageRecipe(**(setup.recipe or {}))
+    if flags != ImageRecipe() and getattr(dataset, "recipe", None) != flags:
+        name = next(name for name, value in vars(flags).items() if value != getattr(ImageRecipe(), name))
+        raise UserError(
+            f"--{name.replace('_', '-')} acts on image folders (--dataset imagefolder, --data-backend torchvision), "
+            f"and this run's training set ({type(dataset).__name__}) would ignore it: drop it"
+        )
+    if setup.aug_repeats > 1 and not getattr(dataset, "repeats", False):
+        raise UserError(
+            f"--aug-repeats augments each repeat anew, which this run's training set ({type(dataset).__name__}) "
+            "cannot (image folders can: --dataset imagefolder, --data-backend torchvision): drop it"
+        )
 
 
 def equal_shares(setup: Setup, task, sparse: list[str], global_loss: bool) -> str:
@@ -126,7 +176,9 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     plan. The plan and the record of what was found. Also initialises lazy modules (the first forward)."""
     mesh = Mesh.check(setup.world_size, setup.fsdp_replicas, setup.strategy)
     collate = getattr(task, "collate", None)
-    sums = seam.check_task(task, model, dataset, collate)
+    check_recipe(setup, dataset)
+    transform = batch_transform(task, setup.mixing)
+    sums = seam.check_task(task, model, dataset, collate, transform)
     scoring = seam.check_scoring(task, model, dataset, collate)
     if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not setup.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
@@ -188,4 +240,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         checkpointing_line=checkpointing_line,
         flops=flops.of_task(task, model, dataset, collate, plan.micro_batch) if setup.count_flops else None,
         mesh=mesh if setup.strategy == "fsdp" else None,
+        batch_transform=transform,
     )

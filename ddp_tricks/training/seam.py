@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ddp_tricks.data.loaders import batch_of
+from ddp_tricks.data.mixing import seeded
 from ddp_tricks.distributed.collectives import gather_calls
 from ddp_tricks.errors import UserError
 from ddp_tricks.training.batches import describe, float_outputs
@@ -39,15 +40,20 @@ def as_loss_sees_it(task, model: nn.Module):
                     buffer.copy_(saved)
 
 
-def check_task(task, model: nn.Module, dataset, collate=None) -> Layout:
-    """One forward pass, loss, units and metric sums on four training samples, batched as the loader batches them,
-    before any process group: initialises lazy modules, and turns a task whose pieces do not fit together into one
-    line. An error inside the model itself is the task's own and keeps its traceback. Returns the metric sums'
-    layout (their names, in order, and shapes)."""
+def check_task(task, model: nn.Module, dataset, collate=None, transform=None) -> Layout:
+    """One forward pass, loss, units and metric sums on four training samples, batched as the loader batches them
+    (and, in training, batch-transformed: `transform`), before any process group: initialises lazy modules, and turns
+    a task whose pieces do not fit together into one line. An error inside the model itself is the task's own and
+    keeps its traceback. Returns the metric sums' layout (their names, in order, and shapes)."""
     indices = list(range(min(CHECKED, len(dataset))))
     inputs, targets = batch_of(dataset, indices, collate)
     shown = f"shape {tuple(inputs.shape)}" if isinstance(inputs, torch.Tensor) else describe(inputs)
     misfit = f"the task's model output (on inputs of {shown}) does not fit its"
+    if transform is not None:  # the Feed's, seeded alike (data.mixing)
+        with seeded(0, torch.device("cpu")):
+            inputs, targets = _call(transform, inputs, targets, "the batch transform fails", "check batch_transform")
+        misfit = f"the batch transform's targets ({describe(targets)}; --mixup, --cutmix: class probabilities) do not "
+        misfit += "fit the task's (take probabilities, as F.cross_entropy does, or drop the batch transform):"
     with torch.no_grad(), as_loss_sees_it(task, model):
         outputs = float_outputs(model(inputs))
         loss = _call(task.loss, outputs, targets, f"{misfit} loss", "make model() return what loss() expects")
