@@ -431,20 +431,17 @@ def layout(
 
 def recorded(state: dict | None, num_train: int = 0) -> tuple[int, int] | None:
     """A checkpoint's (global batch, micro-batch): what its plan recorded, else what the flags it was written
-    with made (a checkpoint from before the plan was kept); None for a traced run or without a checkpoint.
-
-    A resume continues the same run: a training set of another size than the checkpoint's plan says (`num_train`)
-    is a UserError naming --init-from, which starts a new run from the weights (the run's global batch is kept, at
-    any world size and whatever --batch-size says: make() says so at start)."""
+    with made (a checkpoint from before the plan was kept); None for a traced run or without a checkpoint. A resume
+    is the same run: a training set of another size (`num_train`) is a UserError naming --init-from."""
     config = (state or {}).get("config") or {}
     if state is None or config.get("batch_trace"):
         return None
     plan = state.get("plan")
-    saved = (plan or {}).get("train_samples")
-    if num_train and saved is not None and saved != num_train:
+    if num_train and (plan or {}).get("train_samples", num_train) != num_train:
         raise UserError(
-            f"--resume continues the same run, and its training set changed: {saved} samples in the checkpoint's "
-            f"run, {num_train} now; to train on other data, start a new run from its weights with --init-from PATH"
+            f"--resume continues the same run, and its training set changed: {plan['train_samples']} samples in the "
+            f"checkpoint's run, {num_train} now; to train on other data, start a new run from its weights with "
+            "--init-from PATH"
         )
     if plan:
         return plan["global_batch_size"], plan.get("run_micro_batch", plan["micro_batch"])
