@@ -1,6 +1,7 @@
 """What per-step rows cost: run.py's loop (train_one_epoch) with a row every 10 steps (training/step_log.py: the row's
-all-gather and host read, its non-finite check) against --log-interval 0 (no row, no read), measured interleaved in
-one run after warm-up, in one process and in two (DDP on gloo). The last line is one JSON object.
+one all-gather and host read, which carries the non-finite check and the empty steps' count) against --log-interval 0
+(no row, no read), measured interleaved in one run after warm-up, in one process and in two (DDP on gloo). The last
+line is one JSON object.
 
     python bench/step_log.py [--batch-size 32] [--repeats 7] [--interval 10]
 """
