@@ -117,10 +117,9 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if state is not None and trains:
         log.info(t.describe_resume(resume_from))
-    for note in made + ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale):
+    notes = found.notes(plan, flags.noise_scale, t.optimizer) + ([DETERMINISTIC_NOTE] if flags.deterministic else [])
+    for note in made + ([f"resumed: {plan.relayout}"] if plan.relayout else []) + notes:
         log.info(note)
-    if flags.deterministic:
-        log.info(DETERMINISTIC_NOTE)
     if flags.plot_lr:
         if dist.is_main:
             log.info("learning-rate schedule: %s", preview_lr(flags, plan, t.best.mode, folder.path, found.groups))

@@ -1,5 +1,6 @@
 """The optimizer a run names: torch's SGD / Adam / AdamW, LARS or LAMB, with LARSWrapper around it and Lookahead
-on top when asked. Norm layers and biases can be kept out of LARS scaling and weight decay."""
+on top when asked. The exclusion rule (groups.py) can keep biases, norms, scalars and the model's no_weight_decay()
+names out of weight decay and the trust ratio."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 import lars
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.optim import NAMES
+from ddp_tricks.optim.groups import excluded, split
 from lamb import LAMB
-from lars import norms_and_biases, parameter_groups
+from lars import parameter_groups
 from lookahead import Lookahead
 
 
@@ -78,17 +80,16 @@ def task_groups(
 ) -> list[dict]:
     """The optimizer's groups from the task's (by parameter name): each group's parameters, its LR (`lr` x its
     `lr_mult`, which the group keeps for the schedules) and its weight decay (`weight_decay` where it names none);
-    with `bn_bias_separately` its norm-layer parameters and biases in a group of their own (no weight decay, no
-    LARS scaling), with the same multiplier."""
+    with `bn_bias_separately` the parameters the exclusion rule keeps out (groups.excluded: one dimension or fewer,
+    norm layers, the model's no_weight_decay() names) in a group of their own (no weight decay, no trust ratio),
+    with the same multiplier."""
     by_name = dict(model.named_parameters())
-    apart = norms_and_biases(model) if bn_bias_separately else set()
+    apart = excluded(model) if bn_bias_separately else set()
     result = []
     for group in groups:
-        params = [by_name[name] for name in group["params"]]
         mult = group.get("lr_mult", 1.0)
         options = {"lr": lr * mult, "lr_mult": mult, "name": group.get("name", "")}
-        scaled = [p for p in params if id(p) not in apart]
-        plain = [p for p in params if id(p) in apart]
+        scaled, plain = split((by_name[name] for name in group["params"]), apart)
         if scaled:
             result.append({"params": scaled, "weight_decay": group.get("weight_decay", weight_decay), "lars": True})
             result[-1] |= options

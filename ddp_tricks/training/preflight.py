@@ -11,11 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.optim import Optimizer
 
 from ddp_tricks import activations
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.distributed.mesh import Mesh
 from ddp_tricks.errors import UserError
+from ddp_tricks.optim import groups
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, flops, seam
 from ddp_tricks.training.flops import Flops
@@ -72,9 +74,11 @@ class Findings:
     def measures_noise(self) -> bool:
         return self.no_noise_scale is None
 
-    def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
-        """What the run's log says about them at its start."""
-        notes = [line for line in (self.shard_line, self.checkpointing_line) if line]
+    def notes(self, plan: Plan, noise_flag: bool, optimizer: Optimizer | None = None) -> list[str]:
+        """What the run's log says about them at its start (and the `optimizer` the run steps: its class, settings and
+        groups, the exclusion rule and the task's groups applied)."""
+        notes = [groups.describe(optimizer)] if optimizer is not None else []
+        notes += [line for line in (self.shard_line, self.checkpointing_line) if line]
         notes += [self.flops.describe()] if self.flops is not None else []
         if self.measures_noise:
             notes.append(auto_batch.describe(plan, self.own_units, self.noise_every))
@@ -84,7 +88,7 @@ class Findings:
             notes.append(
                 "the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation"
             )
-        if self.groups:
+        if self.groups and optimizer is None:
             shown = ", ".join(describe_group(group) for group in self.groups)
             notes.append(f"the task's parameter groups: {shown}")
         if self.sparse:
