@@ -79,7 +79,8 @@ def task_groups(
     model: torch.nn.Module, groups: Sequence[dict], lr: float, weight_decay: float, bn_bias_separately: bool
 ) -> list[dict]:
     """The optimizer's groups from the task's (by parameter name): each group's parameters, its LR (`lr` x its
-    `lr_mult`, which the group keeps for the schedules) and its weight decay (`weight_decay` where it names none);
+    `lr_mult`, which the group keeps for the schedules), its weight decay (`weight_decay` where it names none) and the
+    optimizer's own keys it sets ('lars': False, no trust ratio; 'betas', 'eps', 'momentum', ...);
     with `bn_bias_separately` the parameters the exclusion rule keeps out (groups.excluded: one dimension or fewer,
     norm layers, the model's no_weight_decay() names) in a group of their own (no weight decay, no trust ratio),
     with the same multiplier."""
@@ -90,11 +91,12 @@ def task_groups(
         mult = group.get("lr_mult", 1.0)
         options = {"lr": lr * mult, "lr_mult": mult, "name": group.get("name", "")}
         scaled, plain = split((by_name[name] for name in group["params"]), apart)
+        own = {key: value for key, value in group.items() if key not in ("params", "lr_mult", "weight_decay", "name")}
         if scaled:
-            result.append({"params": scaled, "weight_decay": group.get("weight_decay", weight_decay), "lars": True})
-            result[-1] |= options
+            decay = group.get("weight_decay", weight_decay)
+            result.append({"params": scaled, "weight_decay": decay, "lars": True} | options | own)
         if plain:
-            result.append({"params": plain, "weight_decay": 0.0, "lars": False} | options)
+            result.append({"params": plain} | options | own | {"weight_decay": 0.0, "lars": False})
     return result
 
 

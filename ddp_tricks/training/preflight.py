@@ -134,7 +134,7 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     scoring = seam.check_scoring(task, model, dataset, collate)
     if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not setup.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
-    groups = seam.param_groups(task, model)  # by name: the model is sharded or wrapped later
+    groups = seam.param_groups(task, model, setup.optimizer, setup.lars_wrap)  # by name: sharded or wrapped later
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units, shard_line, checkpointing_line = [], None, None
     if setup.strategy == "fsdp":
