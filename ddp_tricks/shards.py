@@ -75,12 +75,13 @@ def whole_norms(
     return [part.sqrt().to(n.dtype) for part, n in zip(squares.split([len(n) for n in norms]), norms)]
 
 
-def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio) -> list[torch.Tensor | None]:
+def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio, on=None) -> list[torch.Tensor | None]:
     """The layer-wise ratios of each item of `work` (a param group, its parameters with gradients, their shard
-    group, ...) whose group has lars on (None for the others): `ratio(w, u, *coefficients(group))` from the norms
-    of the two lists `tensors_of(item)` gives (the weights, and what the ratio compares them with), all of them
-    from one `whole_norms` call: one all-reduce per step however many tensors are sharded."""
-    scaled = [item for item in work if item[0].get("lars", True)]
+    group, ...) whose group has lars on (or `on(group)`; None for the others): `ratio(w, u, *coefficients(group))`
+    from the norms of the two lists `tensors_of(item)` gives (the weights, and what the ratio compares them with), all
+    of them from one `whole_norms` call: one all-reduce per step however many tensors are sharded."""
+    on = on or (lambda group: group.get("lars", True))
+    scaled = [item for item in work if on(item[0])]
     shards = {item[2] for item in scaled if item[2] is not None}
     if len(shards) > 1:
         raise ValueError("the optimizer's parameters are sharded over different process groups; shard them over one")
@@ -90,8 +91,8 @@ def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio) -> list[tor
             lists.append(tensors)
             whole.append([not is_dtensor(p) for p in item[1]])
     norms = iter(whole_norms(lists, shards.pop() if shards else None, whole))
-    on = {id(item) for item in scaled}
-    return [ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in on else None for item in work]
+    taken = {id(item) for item in scaled}
+    return [ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in taken else None for item in work]
 
 
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:

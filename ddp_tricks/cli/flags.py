@@ -295,7 +295,7 @@ def _optimizer_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--lars-wrap", action="store_true", help="LARSWrapper over the chosen optimizer")
     g.add_argument("--trust-coefficient", type=float, default=0.001, help="LARS trust coefficient (default: 0.001)")
-    g.add_argument("--epsilon", type=float, default=1e-8, help="LARS epsilon (default: 1e-8)")
+    g.add_argument("--epsilon", type=float, default=1e-8, help="LARS's trust-ratio epsilon (default: 1e-8)")
     add_optimizer_flags(g)  # the exclusion rule, betas, eps, LAMB's and Muon's settings
     g.add_argument("--lookahead", action="store_true", help="Lookahead over the optimizer")
     g.add_argument("--lookahead-k", type=positive_int, default=5, help="Lookahead sync period (default: 5)")

@@ -28,6 +28,10 @@ def build(
     weight_decay: float = 0.0,
     trust_coefficient: float = 0.001,
     eps: float = 1e-8,
+    betas: tuple[float, float] = (0.9, 0.999),
+    adam_eps: float | None = None,
+    trust_clip: bool = False,
+    always_adapt: bool = True,
     bn_bias_separately: bool = False,
     lars_wrap: bool = False,
     lookahead: bool = False,
@@ -42,6 +46,8 @@ def build(
     gradient is never merged: it grows by every step's rows, 16 to 282 entries in 20 steps of a 50-row table).
     `groups`: the task's parameter groups by name (seam.param_groups), each with its LR multiplier and weight decay
     (its LR is `lr` x its multiplier, and the schedules keep that ratio); --bn-bias-separately splits each one.
+    `eps` is LARS's trust-ratio epsilon; `betas` and `adam_eps` (None: each one's default) are Adam's, AdamW's and
+    LAMB's; `trust_clip` and `always_adapt` LAMB's (as timm's Lamb).
     A model `fsdp.shard` sharded keeps its mesh: LARS's and LAMB's norms are summed over its shard dimension."""
     mesh = fsdp.mesh_of(model)
     shard_group = mesh.shard_group() if mesh is not None else None
@@ -58,14 +64,14 @@ def build(
                                   shard_group=shard_group)  # fmt: skip
     if name == "sgd":
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
-    elif name == "adam":
-        optimizer = torch.optim.Adam(groups, lr=lr, weight_decay=weight_decay)
-    elif name == "adamw":
-        optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    elif name in ("adam", "adamw"):
+        adam = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        optimizer = adam(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=_or(adam_eps, 1e-8))
     elif name == "lars":
         optimizer = with_lars(groups)
     elif name == "lamb":
-        optimizer = LAMB(groups, lr=lr, weight_decay=weight_decay, shard_group=shard_group)
+        optimizer = LAMB(groups, lr=lr, betas=betas, eps=_or(adam_eps, 1e-6), weight_decay=weight_decay,
+                         trust_clip=trust_clip, always_adapt=always_adapt, shard_group=shard_group)  # fmt: skip
     else:
         raise ValueError(f"unknown optimizer {name!r} (one of {', '.join(NAMES)})")
     if lars_wrap:
@@ -73,6 +79,10 @@ def build(
     if lookahead:
         optimizer = Lookahead(optimizer, k=lookahead_k, alpha=lookahead_alpha)
     return optimizer
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def task_groups(

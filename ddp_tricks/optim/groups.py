@@ -63,13 +63,19 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
         inner = inner.optimizer
     name = "".join(f"{w}(" for w in wrappers) + type(inner).__name__ + ")" * len(wrappers)
     settings = [f"{key} {_shown(inner.defaults[key])}" for key in SHOWN if key in inner.defaults]
+    settings += [said for key, (when, said) in SWITCHES.items() if inner.defaults.get(key, not when) == when]
     trust = any(w == "LARSWrapper" for w in wrappers) or "lars" in inner.defaults
     parts = [describe_group(group, trust) for group in optimizer.param_groups]
     settings_line = f" ({', '.join(settings)})" if settings else ""
     return f"optimizer {name}{settings_line}: {len(parts)} group{'s' * (len(parts) != 1)}: {'; '.join(parts)}"
 
 
-SHOWN = ("betas", "eps", "momentum", "nesterov", "trust_clip", "always_adapt", "ns_steps")  # settings the line shows
+SHOWN = ("betas", "eps", "momentum", "ns_steps")  # the settings the start line shows
+SWITCHES = {  # and the switches, when they are not the default: (the value, what the line says)
+    "nesterov": (True, "nesterov"),
+    "trust_clip": (True, "trust clip"),
+    "always_adapt": (False, "no trust ratio without weight decay"),
+}
 
 
 def _shown(value) -> str:
