@@ -239,3 +239,55 @@ def test_lamb_trust_clip_and_always_adapt_as_timm_has_them(trust_clip, always_ad
         r = torch.linalg.vector_norm(w) / torch.linalg.vector_norm(u) if wd != 0 or always_adapt else torch.tensor(1.0)
         r = torch.clamp(r, max=1.0) if trust_clip else r
         torch.testing.assert_close(p.detach(), w - 0.1 * r * u, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- a task's own optimizer
+
+
+def test_a_task_s_own_radam_trains_under_lookahead_and_is_named_at_start(tmp_path, capsys):
+    """The task's optimizer(param_groups) gives torch's RAdam; --lookahead goes around it, the start line names it,
+    one epoch learns, and a run stopped after epoch 1 and resumed ends with the uninterrupted run's weights."""
+    flags = ["--task", "tests/optim_tasks.py:OwnRAdam", "--lookahead", "-l", "0.003", "--no-decay-1d", "--no-progress",
+             "--runs-dir", str(tmp_path)]  # fmt: skip
+    assert run.main([*flags, "-e", "2", "-n", "full"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("optimizer "))
+    assert line.startswith("optimizer Lookahead(RAdam) (betas 0.9, 0.999, eps 1e-08): 2 groups: "), line
+    assert _last_accuracy(tmp_path / "full") > 0.5  # from 0.1 (chance); RAdam rectifies its first steps
+    assert run.main([*flags, "-e", "1", "-n", "part"]) == 0
+    assert run.main([*flags, "-e", "2", "-n", "part", "--resume", "auto"]) == 0
+    a, b = (torch.load(tmp_path / name / "last.pt", weights_only=True) for name in ("full", "part"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_lars_wrap_goes_around_a_task_s_own_optimizer():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    optimizer = optimizers.build(model, "sgd", lr=0.1, lars_wrap=True, bn_bias_separately=True,
+                                 own=lambda groups: torch.optim.NAdam(groups))  # fmt: skip
+    assert type(optimizer).__name__ == "LARSWrapper" and type(optimizer.optimizer).__name__ == "NAdam"
+    assert [group["lr"] for group in optimizer.param_groups] == [0.1, 0.1]  # the run's LR, in each group
+    assert groups.describe(optimizer).startswith("optimizer LARSWrapper(NAdam) (betas 0.9, 0.999, eps 1e-08): 2 groups")
+
+
+@pytest.mark.parametrize(
+    "task, expected",
+    [
+        ("NotAnOptimizer", "the task's optimizer() gave list, not a torch.optim.Optimizer: return one built on"),
+        ("HeadOnly", "the task's optimizer() (SGD) leaves out the parameter(s) 'features.0.weight', "),
+    ],
+)
+def test_a_task_s_optimizer_that_is_none_or_misses_parameters_is_one_line(task, expected, tmp_path, capsys):
+    """Exit 2 and one line. Broken on purpose (the check of the parameters dropped): HeadOnly trained, exit 0."""
+    argv = ["--task", f"tests/optim_tasks.py:{task}", "-e", "1", "--no-progress", "--runs-dir", str(tmp_path)]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_a_group_key_the_task_s_own_optimizer_lacks_is_one_line():
+    from ddp_tricks.errors import UserError
+
+    model, found = _task_groups(lambda m: [{"params": m.parameters(), "momentum": 0.9, "name": "g"}], None)
+    with pytest.raises(
+        UserError, match="'g', has the key 'momentum', which the task's optimizer\\(\\) \\(RAdam\\) lacks"
+    ):
+        optimizers.build(model, "sgd", lr=0.1, groups=found, own=lambda groups: torch.optim.RAdam(groups))

@@ -5,12 +5,13 @@ names out of weight decay and the trust ratio."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 import lars
 from ddp_tricks.distributed import fsdp
+from ddp_tricks.errors import UserError
 from ddp_tricks.optim import NAMES
 from ddp_tricks.optim.groups import excluded, split
 from lamb import LAMB
@@ -39,6 +40,7 @@ def build(
     lookahead_alpha: float = 0.5,
     sparse: Collection[str] = (),
     groups: Sequence[dict] = (),
+    own: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer `name` over the model's trainable parameters. `sparse`: the names of those that get sparse
     gradients (training/seam.py finds them); only SGD steps them, in a group of their own without weight decay
@@ -47,7 +49,8 @@ def build(
     `groups`: the task's parameter groups by name (seam.param_groups), each with its LR multiplier and weight decay
     (its LR is `lr` x its multiplier, and the schedules keep that ratio); --bn-bias-separately splits each one.
     `eps` is LARS's trust-ratio epsilon; `betas` and `adam_eps` (None: each one's default) are Adam's, AdamW's and
-    LAMB's; `trust_clip` and `always_adapt` LAMB's (as timm's Lamb).
+    LAMB's; `trust_clip` and `always_adapt` LAMB's (as timm's Lamb). `own`: the task's `optimizer(param_groups)`,
+    which builds the optimizer on the groups made here (each with its `lr`), in place of `name`'s.
     A model `fsdp.shard` sharded keeps its mesh: LARS's and LAMB's norms are summed over its shard dimension."""
     mesh = fsdp.mesh_of(model)
     shard_group = mesh.shard_group() if mesh is not None else None
@@ -62,7 +65,9 @@ def build(
     with_lars = functools.partial(lars.lars_over, lr=lr, momentum=momentum, weight_decay=weight_decay,
                                   trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                                   shard_group=shard_group)  # fmt: skip
-    if name == "sgd":
+    if own is not None:
+        optimizer = own_optimizer(own, model, [group | {"lr": group.get("lr", lr)} for group in groups])
+    elif name == "sgd":
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     elif name in ("adam", "adamw"):
         adam = torch.optim.Adam if name == "adam" else torch.optim.AdamW
@@ -78,6 +83,37 @@ def build(
         optimizer = with_lars(optimizer)
     if lookahead:
         optimizer = Lookahead(optimizer, k=lookahead_k, alpha=lookahead_alpha)
+    return optimizer
+
+
+TEMPLATE_KEYS = {"params", "lr", "lr_mult", "name", "weight_decay", "lars"}  # what any optimizer's groups may carry
+
+
+def own_optimizer(make: Callable, model: torch.nn.Module, groups: list[dict]) -> torch.optim.Optimizer:
+    """The task's own optimizer, `make(groups)`, checked: a torch.optim.Optimizer over every trainable parameter of
+    the model, whose defaults know each key the task's groups set. A mistake is one line (UserError)."""
+    optimizer = make(groups)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(
+            f"the task's optimizer() gave {type(optimizer).__name__}, not a torch.optim.Optimizer: return one built on "
+            "the param_groups it is given, e.g. torch.optim.RAdam(param_groups)"
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        shown = ", ".join(map(repr, missing[:4])) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise UserError(
+            f"the task's optimizer() ({type(optimizer).__name__}) leaves out the parameter(s) {shown}: build it on "
+            "every param_group it is given"
+        )
+    for group in groups:
+        unknown = sorted(set(group) - TEMPLATE_KEYS - set(optimizer.defaults))
+        if unknown:
+            takes = ", ".join(map(repr, optimizer.defaults))
+            raise UserError(
+                f"the task's param_groups(), {group.get('name') or 'a group'!r}, has the key {unknown[0]!r}, which the "
+                f"task's optimizer() ({type(optimizer).__name__}) lacks: it takes {takes}"
+            )
     return optimizer
 
 

@@ -65,10 +65,12 @@ class Findings:
     checkpointing_line: str | None = None  # --activation-checkpointing: what is checkpointed, for the start line
     flops: Flops | None = None  # a training step's FLOPs per sample, counted (None: not counted)
     mesh: Mesh | None = None  # --strategy fsdp: the ranks' mesh, checked, to be built once after joining
+    own_optimizer: Callable | None = None  # the task's optimizer(param_groups), which the run steps (None: --optimizer)
 
     def optimizer_options(self) -> dict:
-        """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
-        return {"sparse": self.sparse, "groups": self.groups}
+        """optim.build.build's settings that come from the task: its sparse parameters, parameter groups and own
+        optimizer."""
+        return {"sparse": self.sparse, "groups": self.groups, "own": self.own_optimizer}
 
     @property
     def measures_noise(self) -> bool:
@@ -134,7 +136,9 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     scoring = seam.check_scoring(task, model, dataset, collate)
     if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not setup.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
-    groups = seam.param_groups(task, model, setup.optimizer, setup.lars_wrap)  # by name: sharded or wrapped later
+    own_optimizer = getattr(task, "optimizer", None) if callable(getattr(task, "optimizer", None)) else None
+    optimizer = setup.optimizer if own_optimizer is None else None  # the task's own: its keys checked when built
+    groups = seam.param_groups(task, model, optimizer, setup.lars_wrap)  # by name: sharded or wrapped later
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units, shard_line, checkpointing_line = [], None, None
     if setup.strategy == "fsdp":
@@ -192,4 +196,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         checkpointing_line=checkpointing_line,
         flops=flops.of_task(task, model, dataset, collate, plan.micro_batch) if setup.count_flops else None,
         mesh=mesh if setup.strategy == "fsdp" else None,
+        own_optimizer=own_optimizer,
     )

@@ -254,7 +254,8 @@ def param_groups(task, model: nn.Module, optimizer: str | None = "sgd", lars_wra
         if unknown or "params" not in group:
             what = f"the key {unknown[0]!r}" if unknown else "no 'params'"
             whose = f"--optimizer {optimizer}{' --lars-wrap' if lars_wrap else ''}"
-            raise UserError(f"{where} has {what}: a group under {whose} takes {', '.join(map(repr, allowed))}")
+            takes = f"a group under {whose} takes {', '.join(map(repr, allowed))}" if allowed else "a group needs one"
+            raise UserError(f"{where} has {what}: {takes}")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
