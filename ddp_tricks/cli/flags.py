@@ -275,7 +275,7 @@ def _optimizer_flags(g: argparse._ArgumentGroup) -> None:
         dest="optimizer",
         choices=optim.NAMES,
         default="sgd",
-        help="sgd, adam, adamw, lars (standalone), lamb (default: sgd)",
+        help="sgd, adam, adamw, lars (standalone), lamb, muon (hidden matrices; AdamW the rest) (default: sgd)",
     )
     g.add_argument(
         "-l",

@@ -12,7 +12,7 @@ import torch
 import lars
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.errors import UserError
-from ddp_tricks.optim import NAMES
+from ddp_tricks.optim import NAMES, muon
 from ddp_tricks.optim.groups import excluded, split
 from lamb import LAMB
 from lars import parameter_groups
@@ -39,6 +39,10 @@ def build(
     lookahead_k: int = 5,
     lookahead_alpha: float = 0.5,
     sparse: Collection[str] = (),
+    muon_momentum: float = 0.95,
+    muon_nesterov: bool = True,
+    ns_steps: int = 5,
+    head: Sequence[str] = (),
     groups: Sequence[dict] = (),
     own: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
 ) -> torch.optim.Optimizer:
@@ -50,7 +54,9 @@ def build(
     (its LR is `lr` x its multiplier, and the schedules keep that ratio); --bn-bias-separately splits each one.
     `eps` is LARS's trust-ratio epsilon; `betas` and `adam_eps` (None: each one's default) are Adam's, AdamW's and
     LAMB's; `trust_clip` and `always_adapt` LAMB's (as timm's Lamb). `own`: the task's `optimizer(param_groups)`,
-    which builds the optimizer on the groups made here (each with its `lr`), in place of `name`'s.
+    which builds the optimizer on the groups made here (each with its `lr`), in place of `name`'s. `muon`: Muon on the
+    hidden matrices (muon.is_hidden: not embeddings, not the output head's parameters, named in `head`), AdamW
+    (`betas`, `adam_eps`) on the rest.
     A model `fsdp.shard` sharded keeps its mesh: LARS's and LAMB's norms are summed over its shard dimension."""
     mesh = fsdp.mesh_of(model)
     shard_group = mesh.shard_group() if mesh is not None else None
@@ -77,6 +83,12 @@ def build(
     elif name == "lamb":
         optimizer = LAMB(groups, lr=lr, betas=betas, eps=_or(adam_eps, 1e-6), weight_decay=weight_decay,
                          trust_clip=trust_clip, always_adapt=always_adapt, shard_group=shard_group)  # fmt: skip
+    elif name == "muon":
+        apart = excluded(model) if bn_bias_separately else set()
+        optimizer = muon.MuonAdamW(muon.muon_groups(model, groups, tuple(head), apart), lr=lr,
+                                   weight_decay=weight_decay, momentum=muon_momentum, nesterov=muon_nesterov,
+                                   ns_steps=ns_steps, betas=betas, eps=_or(adam_eps, 1e-8),
+                                   shard_group=shard_group)  # fmt: skip
     else:
         raise ValueError(f"unknown optimizer {name!r} (one of {', '.join(NAMES)})")
     if lars_wrap:

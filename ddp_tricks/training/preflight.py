@@ -17,7 +17,7 @@ from ddp_tricks import activations
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.distributed.mesh import Mesh
 from ddp_tricks.errors import UserError
-from ddp_tricks.optim import groups
+from ddp_tricks.optim import groups, muon
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, flops, seam
 from ddp_tricks.training.flops import Flops
@@ -66,11 +66,12 @@ class Findings:
     flops: Flops | None = None  # a training step's FLOPs per sample, counted (None: not counted)
     mesh: Mesh | None = None  # --strategy fsdp: the ranks' mesh, checked, to be built once after joining
     own_optimizer: Callable | None = None  # the task's optimizer(param_groups), which the run steps (None: --optimizer)
+    head: tuple[str, ...] = ()  # --optimizer muon: the output head's parameters, which AdamW steps (muon.output_head)
 
     def optimizer_options(self) -> dict:
         """optim.build.build's settings that come from the task: its sparse parameters, parameter groups and own
         optimizer."""
-        return {"sparse": self.sparse, "groups": self.groups, "own": self.own_optimizer}
+        return {"sparse": self.sparse, "groups": self.groups, "own": self.own_optimizer, "head": self.head}
 
     @property
     def measures_noise(self) -> bool:
@@ -139,6 +140,9 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     own_optimizer = getattr(task, "optimizer", None) if callable(getattr(task, "optimizer", None)) else None
     optimizer = setup.optimizer if own_optimizer is None else None  # the task's own: its keys checked when built
     groups = seam.param_groups(task, model, optimizer, setup.lars_wrap)  # by name: sharded or wrapped later
+    head = muon.output_head(task, model) if optimizer == "muon" else ()
+    if optimizer == "muon":
+        muon.check_matrices(model, head)
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units, shard_line, checkpointing_line = [], None, None
     if setup.strategy == "fsdp":
@@ -197,4 +201,5 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         flops=flops.of_task(task, model, dataset, collate, plan.micro_batch) if setup.count_flops else None,
         mesh=mesh if setup.strategy == "fsdp" else None,
         own_optimizer=own_optimizer,
+        head=head,
     )
