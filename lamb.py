@@ -24,6 +24,7 @@ class LAMB(Optimizer):
         m_hat = m / (1 - beta1^t),  v_hat = v / (1 - beta2^t)     (without bias_correction: m, v)
         u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w
         r = ||w|| / ||u||   if ||w|| > 0 and ||u|| > 0, else 1     (r = 1 in a group with lars=False)
+        r = min(r, 1)                                           (trust_clip)
         w = w - lr * r * u
 
     Args:
@@ -33,6 +34,10 @@ class LAMB(Optimizer):
         eps: added to the denominator (default 1e-6).
         weight_decay: decoupled weight decay inside u (default 0.01).
         bias_correction: divide the moments by (1 - beta^t) (default True).
+        trust_clip: the trust ratio at most 1 (timm's ``Lamb(trust_clip=True)``; default False).
+        always_adapt: the trust ratio also in a group whose weight_decay is 0 (default True, the paper's; timm's
+            ``Lamb`` defaults to False, which leaves such a group unscaled). A group with ``lars=False`` is never
+            scaled.
         capturable: keep the step count t on the parameters' device, so a CUDA graph of ``step()`` replays
             with the right t (default False: t is a Python int, and the bias corrections cost no kernels).
         shard_group: the process group over which sharded (FSDP2) parameters' norms are summed, as the template
@@ -53,6 +58,8 @@ class LAMB(Optimizer):
         weight_decay: float = 0.01,
         bias_correction: bool = True,
         *,
+        trust_clip: bool = False,
+        always_adapt: bool = True,
         capturable: bool = False,
         shard_group=None,
     ):
@@ -72,6 +79,8 @@ class LAMB(Optimizer):
             eps=eps,
             weight_decay=weight_decay,
             bias_correction=bias_correction,
+            trust_clip=trust_clip,
+            always_adapt=always_adapt,
             lars=True,
             capturable=capturable,
         )
@@ -82,6 +91,8 @@ class LAMB(Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("capturable", False)
+            group.setdefault("trust_clip", False)  # a state saved before these existed steps as it did
+            group.setdefault("always_adapt", True)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -113,7 +124,7 @@ class LAMB(Optimizer):
             if params:
                 updates += [(group, *sub) for sub in _adam_updates(params, grads, exp_avgs, exp_avg_sqs, steps, group)]
         work = [(group, params, shard_group(params, self.shard_group), sub, u) for group, params, sub, u in updates]
-        ratios = trust_ratios(work, lambda item: [item[3], item[4]], lambda group: (0.0, 1.0, 0.0), trust_ratio)
+        ratios = trust_ratios(work, lambda item: [item[3], item[4]], _coefficients, _ratio, on=_adapts)
         for (group, _, _, sub, u), sub_ratios in zip(work, ratios):
             if sub_ratios is None:
                 torch._foreach_add_(sub, u, alpha=-group["lr"])
@@ -121,6 +132,20 @@ class LAMB(Optimizer):
             torch._foreach_mul_(u, (sub_ratios * group["lr"]).to(sub[0].dtype).unbind(0))
             torch._foreach_sub_(sub, u)
         return loss
+
+
+def _adapts(group: dict) -> bool:
+    """Whether a group takes the trust ratio: lars on, and (always_adapt) or a weight decay (timm's rule)."""
+    return group.get("lars", True) and (group.get("always_adapt", True) or group["weight_decay"] != 0)
+
+
+def _coefficients(group: dict) -> tuple:
+    return 0.0, 1.0, 0.0, group.get("trust_clip", False)
+
+
+def _ratio(weight_norm, update_norm, weight_decay, coefficient, eps, clip: bool) -> torch.Tensor:
+    ratio = trust_ratio(weight_norm, update_norm, weight_decay, coefficient, eps)
+    return ratio.clamp(max=1.0) if clip else ratio
 
 
 def _step_in_mode(step, capturable: bool, device: torch.device):

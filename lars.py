@@ -15,13 +15,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ddp_tricks.optim.groups import excluded
 from ddp_tricks.schedules.curves import PolynomialWarmup  # the original LARS project imported it from here
 from ddp_tricks.shards import like, local, shard_group, trust_ratios
 from ddp_tricks.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["LARS", "LARSWrapper", "create_optimizer_lars", "PolynomialWarmup", "trust_ratio"]
-
-NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
 
 
 def _check(name: str, value: float, low: float = 0.0, strict: bool = False) -> None:
@@ -280,8 +279,10 @@ def create_optimizer_lars(
 ) -> LARS:
     """The original LARS project's factory.
 
-    With ``bn_bias_separately``, every parameter of a normalisation layer and every bias goes into a group
-    with ``lars=False`` and ``weight_decay=0``; the rest into a LARS group with ``weight_decay``.
+    With ``bn_bias_separately``, every parameter the exclusion rule names (one dimension or fewer: biases of any
+    name, every norm's weight, scalars; every parameter of a normalisation layer; the model's ``no_weight_decay()``
+    names) goes into a group with ``lars=False`` and ``weight_decay=0``; the rest into a LARS group with
+    ``weight_decay``.
     """
     return lars_over(
         parameter_groups(model, weight_decay, bn_bias_separately),
@@ -317,7 +318,8 @@ def lars_over(
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, bn_bias_separately: bool) -> list[dict[str, Any]]:
-    """One group, or (bn_bias_separately) weights vs. norm-layer parameters and biases; each param once."""
+    """One group, or (bn_bias_separately) the rest vs. what the exclusion rule keeps out (`norms_and_biases`); each
+    parameter once."""
     if not bn_bias_separately:
         return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
     apart = norms_and_biases(model)
@@ -336,11 +338,8 @@ def parameter_groups(model: nn.Module, weight_decay: float, bn_bias_separately: 
 
 
 def norms_and_biases(model: nn.Module) -> set[int]:
-    """The ids of the parameters `bn_bias_separately` keeps out of LARS scaling and weight decay: every parameter of
-    a normalisation layer, and every bias."""
-    return {
-        id(p)
-        for module in model.modules()
-        for name, p in module.named_parameters(recurse=False)
-        if isinstance(module, NORM_LAYERS) or name == "bias"
-    }
+    """The ids of the parameters `bn_bias_separately` keeps out of LARS scaling and weight decay: the exclusion rule
+    (ddp_tricks/optim/groups.py, `excluded`): every parameter of one dimension or fewer (biases of any name, every
+    norm's weight, scalars), every parameter of a normalisation layer, and the names the model lists in
+    `no_weight_decay()` (timm's convention)."""
+    return excluded(model)

@@ -118,8 +118,8 @@ def run(flags, task, process: launch.Launch) -> int:
     )
     if state is not None and trains:
         log.info(t.describe_resume(resume_from))
-    notes = made + ([f"resumed: {plan.relayout}"] if plan.relayout else []) + found.notes(plan, flags.noise_scale)
-    for note in notes + ([DETERMINISTIC_NOTE] if flags.deterministic else []):
+    notes = found.notes(plan, flags.noise_scale, t.optimizer) + ([DETERMINISTIC_NOTE] if flags.deterministic else [])
+    for note in made + ([f"resumed: {plan.relayout}"] if plan.relayout else []) + notes:
         log.info(note)
     if flags.plot_lr:
         if dist.is_main:

@@ -39,7 +39,10 @@ stopping, batch traces, checkpoints, preemption, plots) reads a task through the
                                  teacher's EMA, a momentum schedule (examples/byol.py)
     state_dict(self), load_state_dict(self, state)  optional: the task's own state, checkpointed and resumed
     param_groups(self, model)    optional: [{"params": ..., "lr_mult": 0.1, "weight_decay": 0.0}, ...]: an LR
-                                 multiplier and weight decay per group of parameters (fine-tuning)
+                                 multiplier and weight decay per group of parameters (fine-tuning); also "lars": False
+                                 (no trust ratio) and the optimizer's own keys ("betas", "eps", "momentum", ...)
+    optimizer(self, param_groups)  optional: any torch.optim.Optimizer built on the template's groups (RAdam, ...)
+    output_head(self, model)     optional: the module --optimizer muon leaves to AdamW (default: the last Linear)
 
 What a task file imports from the template comes from one place: `from ddp_tricks import InMemoryDataset,
 UserError` (raise UserError for a mistake in the task's own flags: one line, exit 2). A loss over the global batch

@@ -3,6 +3,8 @@ optimizers update the slices in place (`local`), keep their state sharded like t
 the norm of each WHOLE tensor from the slices' squared norms, summed across the ranks in one all-reduce for all
 the tensors of a step (`whole_norms`). Whole (unsharded) tensors pass through every function unchanged; beside sharded
 ones (the 0-d parameters FSDP keeps whole on every rank) their squared norms enter that all-reduce from rank 0 only.
+Muon's step transforms each WHOLE matrix once per step (`whole_matrices`: dealt to the ranks, gathered by its owner,
+the result scattered back).
 """
 
 from __future__ import annotations
@@ -75,12 +77,13 @@ def whole_norms(
     return [part.sqrt().to(n.dtype) for part, n in zip(squares.split([len(n) for n in norms]), norms)]
 
 
-def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio) -> list[torch.Tensor | None]:
+def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio, on=None) -> list[torch.Tensor | None]:
     """The layer-wise ratios of each item of `work` (a param group, its parameters with gradients, their shard
-    group, ...) whose group has lars on (None for the others): `ratio(w, u, *coefficients(group))` from the norms
-    of the two lists `tensors_of(item)` gives (the weights, and what the ratio compares them with), all of them
-    from one `whole_norms` call: one all-reduce per step however many tensors are sharded."""
-    scaled = [item for item in work if item[0].get("lars", True)]
+    group, ...) whose group has lars on (or `on(group)`; None for the others): `ratio(w, u, *coefficients(group))`
+    from the norms of the two lists `tensors_of(item)` gives (the weights, and what the ratio compares them with), all
+    of them from one `whole_norms` call: one all-reduce per step however many tensors are sharded."""
+    on = on or (lambda group: group.get("lars", True))
+    scaled = [item for item in work if on(item[0])]
     shards = {item[2] for item in scaled if item[2] is not None}
     if len(shards) > 1:
         raise ValueError("the optimizer's parameters are sharded over different process groups; shard them over one")
@@ -90,8 +93,8 @@ def trust_ratios(work: list[tuple], tensors_of, coefficients, ratio) -> list[tor
             lists.append(tensors)
             whole.append([not is_dtensor(p) for p in item[1]])
     norms = iter(whole_norms(lists, shards.pop() if shards else None, whole))
-    on = {id(item) for item in scaled}
-    return [ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in on else None for item in work]
+    taken = {id(item) for item in scaled}
+    return [ratio(next(norms), next(norms), *coefficients(item[0])) if id(item) in taken else None for item in work]
 
 
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
@@ -109,3 +112,78 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, group=None) -> 
     for g in grads:
         local(g).mul_(coefficient.to(g.dtype))
     return total
+
+
+def deal(sizes: list[int], ranks: int) -> list[int]:
+    """Each matrix's owner among `ranks`: largest first, each to the least loaded rank so far (by elements; ties to
+    the lowest rank). The same on every rank."""
+    loads, owners = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[owners[i]] += sizes[i]
+    return owners
+
+
+def whole_matrices(items: list[tuple], transform, contexts: list, given=None) -> list[torch.Tensor]:
+    """`transform(U, context)` of each parameter's WHOLE matrix U (its first dimension by the rest), as this rank's
+    slice of the result. `items`: (a parameter, its U's local slice); `contexts`: one per item. A whole parameter's U
+    is transformed here. Sharded ones (FSDP2: dimension 0 over `given`, else the shard group of their mesh) are dealt
+    to the group's ranks (`deal`); each owner gathers its matrices' slices, transforms each once, and the result's
+    slices go back: two all-to-alls per step (per dtype), whatever the number of matrices."""
+    results: list = [None] * len(items)
+    sharded: dict[torch.dtype, list[int]] = {}
+    for i, (p, u) in enumerate(items):
+        if is_dtensor(p):
+            sharded.setdefault(u.dtype, []).append(i)
+        else:
+            results[i] = transform(u.reshape(u.shape[0], -1), contexts[i]).view_as(u)
+    if sharded:
+        group = shard_group([items[i][0] for ids in sharded.values() for i in ids], given)
+        for ids in sharded.values():
+            _exchange([items[i] for i in ids], transform, [contexts[i] for i in ids], group, ids, results)
+    return results
+
+
+def _exchange(items: list[tuple], transform, contexts: list, group, ids: list[int], results: list) -> None:
+    """whole_matrices for sharded matrices of one dtype: each rank's slice padded to ceil(rows / ranks) rows (FSDP2's
+    torch.chunk split), sent to the matrix's owner in one all-to-all; the owner's results back in another."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    for p, _ in items:
+        if not any(placement.is_shard(0) for placement in p.placements):
+            raise ValueError(f"a matrix sharded as {p.placements} (whole_matrices takes them sharded on dimension 0)")
+    rows = [p.shape[0] for p, _ in items]
+    columns = [p.numel() // max(p.shape[0], 1) for p, _ in items]
+    chunks = [-(-n // ranks) for n in rows]
+    sizes = [c * m for c, m in zip(chunks, columns)]  # one rank's padded slice
+    owners = deal([n * m for n, m in zip(rows, columns)], ranks)
+    like = items[0][1]
+    pieces, sent = [], [0] * ranks
+    for owner in range(ranks):
+        for j, (_, u) in enumerate(items):
+            if owners[j] == owner:
+                padded = u.new_zeros(sizes[j])
+                padded[: u.numel()] = u.reshape(-1)
+                pieces.append(padded)
+                sent[owner] += sizes[j]
+    mine = [j for j in range(len(items)) if owners[j] == me]
+    each = sum(sizes[j] for j in mine)
+    received = like.new_empty(each * ranks)
+    dist.all_to_all_single(received, torch.cat(pieces), [each] * ranks, sent, group=group)
+    blocks, back, offset = received.split(each) if each else [], [[] for _ in range(ranks)], 0
+    for j in mine:
+        parts = [block[offset : offset + sizes[j]].view(chunks[j], columns[j]) for block in blocks]
+        whole = torch.cat(parts)[: rows[j]]
+        result = whole.new_zeros(chunks[j] * ranks, columns[j])
+        result[: rows[j]] = transform(whole, contexts[j])
+        for rank in range(ranks):
+            back[rank].append(result[rank * chunks[j] : (rank + 1) * chunks[j]].reshape(-1))
+        offset += sizes[j]
+    outgoing = torch.cat([piece for rank in back for piece in rank]) if mine else like.new_empty(0)
+    returned = like.new_empty(sum(sent))
+    dist.all_to_all_single(returned, outgoing, sent, [each] * ranks, group=group)
+    offset = 0
+    for owner in range(ranks):
+        for j, (_, u) in enumerate(items):
+            if owners[j] == owner:
+                results[ids[j]] = returned[offset : offset + u.numel()].view_as(u)
+                offset += sizes[j]

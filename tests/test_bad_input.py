@@ -33,6 +33,10 @@ CASES = {
     "flag close to a real one": (["--epoch", "3"], "unrecognized arguments: --epoch 3; did you mean --epochs?"),
     "typo with =": (["--wramup-epochs=2"], "did you mean --warmup-epochs?"),
     "not a number lr": (["--base-lr", "nan"], "--base-lr must be > 0, got nan"),
+    "betas outside [0, 1)": (["--optimizer", "adamw", "--betas", "0.9", "1"], "--betas must be two numbers in [0, 1)"),
+    "betas with sgd": (["--betas", "0.9", "0.95"], "--betas acts only with --optimizer adamw, adam, lamb or muon"),
+    "trust clip with adamw": (["--optimizer", "adamw", "--trust-clip"], "--trust-clip acts only with --optimizer lamb"),
+    "negative eps": (["--optimizer", "adam", "--eps", "-1"], "--eps must be >= 0, got -1.0"),
     "lars wrapped in lars": (["--optimizer", "lars", "--lars-wrap"], "--optimizer lars is LARS already: use one of"),
     "cosine warmup type with poly": (
         ["-t", "cosine", "--scheduler", "poly"],

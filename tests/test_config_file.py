@@ -139,7 +139,7 @@ BAD_FILES = {
     ),
     "an unknown choice": (
         'optimizer = "rmsprop"\n',
-        ", key 'optimizer': --optimizer is one of sgd, adam, adamw, lars, lamb, not 'rmsprop'",
+        ", key 'optimizer': --optimizer is one of sgd, adam, adamw, lars, lamb, muon, not 'rmsprop'",
     ),
     "a list for one value": ("base-lr = [0.1, 0.2]\n", ", key 'base-lr': --base-lr takes one value, not a list"),
     "a section": ("[optimizer]\nname = 1\n", ", key 'optimizer' is a table: write every flag as a top-level"),

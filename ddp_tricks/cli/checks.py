@@ -10,6 +10,8 @@ import copy
 from ddp_tricks import schedules
 from ddp_tricks.cli.image_flags import check_image_flags
 from ddp_tricks.cli.init_flags import check_init_flags
+from ddp_tricks.cli.optimizer_flags import ONLY_WITH as OPTIMIZER_ONLY_WITH
+from ddp_tricks.cli.optimizer_flags import check_optimizer_flags
 from ddp_tricks.cli.step_flags import check_step_flags
 from ddp_tricks.errors import UserError
 
@@ -55,6 +57,7 @@ ONLY_WITH = (
     (("prefetch_factor",), lambda cfg: cfg.workers > 0, "--workers N"),
     (("model_ema_warmup",), lambda cfg: cfg.model_ema is not None, "--model-ema DECAY"),
     (("base_batch_size",), lambda cfg: cfg.lr_scaling != "keep", "--lr-scaling linear or --lr-scaling sqrt"),
+    *OPTIMIZER_ONLY_WITH,
 )
 
 
@@ -72,6 +75,7 @@ def check(
     """Impossible values and combinations, found before any process exists. `given`: the flags spelled out
     on the command line (`given_flags`), so a flag that would be ignored is refused rather than dropped."""
     _check_values(cfg)
+    check_optimizer_flags(cfg)
     check_step_flags(cfg, given)
     check_init_flags(cfg)
     check_image_flags(cfg)

@@ -8,6 +8,7 @@ import argparse
 import difflib
 
 from ddp_tricks import optim, schedules
+from ddp_tricks.cli.optimizer_flags import add_optimizer_flags
 from ddp_tricks.cli.step_flags import add_step_flags
 from ddp_tricks.cli.tasks import DEFAULT_TASK, example_hint
 from ddp_tricks.errors import UserError
@@ -274,7 +275,7 @@ def _optimizer_flags(g: argparse._ArgumentGroup) -> None:
         dest="optimizer",
         choices=optim.NAMES,
         default="sgd",
-        help="sgd, adam, adamw, lars (standalone), lamb (default: sgd)",
+        help="sgd, adam, adamw, lars (standalone), lamb, muon (hidden matrices; AdamW the rest) (default: sgd)",
     )
     g.add_argument(
         "-l",
@@ -294,12 +295,8 @@ def _optimizer_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--lars-wrap", action="store_true", help="LARSWrapper over the chosen optimizer")
     g.add_argument("--trust-coefficient", type=float, default=0.001, help="LARS trust coefficient (default: 0.001)")
-    g.add_argument("--epsilon", type=float, default=1e-8, help="LARS epsilon (default: 1e-8)")
-    g.add_argument(
-        "--bn-bias-separately",
-        action="store_true",
-        help="norm-layer parameters and biases: no LARS scaling, no weight decay",
-    )
+    g.add_argument("--epsilon", type=float, default=1e-8, help="LARS's trust-ratio epsilon (default: 1e-8)")
+    add_optimizer_flags(g)  # the exclusion rule, betas, eps, LAMB's and Muon's settings
     g.add_argument("--lookahead", action="store_true", help="Lookahead over the optimizer")
     g.add_argument("--lookahead-k", type=positive_int, default=5, help="Lookahead sync period (default: 5)")
     g.add_argument("--lookahead-alpha", type=float, default=0.5, help="Lookahead slow step (default: 0.5)")

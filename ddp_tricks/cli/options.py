@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ddp_tricks.cli.image_flags import image_options, mixing_options
+from ddp_tricks.cli.optimizer_flags import optimizer_flag_options
 from ddp_tricks.schedules import decay_kind
 
 
@@ -48,6 +49,7 @@ def optimizer_options(flags: argparse.Namespace) -> dict:
         "lookahead": flags.lookahead,
         "lookahead_k": flags.lookahead_k,
         "lookahead_alpha": flags.lookahead_alpha,
+        **optimizer_flag_options(flags),
     }
 
 

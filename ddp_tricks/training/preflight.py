@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.optim import Optimizer
 
 from ddp_tricks import activations
 from ddp_tricks.data.mixing import Mixing
@@ -18,6 +19,7 @@ from ddp_tricks.data.recipe import ImageRecipe
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.distributed.mesh import Mesh
 from ddp_tricks.errors import UserError
+from ddp_tricks.optim import groups, muon
 from ddp_tricks.plan import Plan
 from ddp_tricks.training import auto_batch, cached, flops, seam
 from ddp_tricks.training.flops import Flops
@@ -69,22 +71,27 @@ class Findings:
     flops: Flops | None = None  # a training step's FLOPs per sample, counted (None: not counted)
     mesh: Mesh | None = None  # --strategy fsdp: the ranks' mesh, checked, to be built once after joining
     batch_transform: Callable | None = None  # the task's batch_transform, or --mixup's (data.mixing), or None
+    own_optimizer: Callable | None = None  # the task's optimizer(param_groups), which the run steps (None: --optimizer)
+    head: tuple[str, ...] = ()  # --optimizer muon: the output head's parameters, which AdamW steps (muon.output_head)
 
     def batching(self) -> tuple[Callable | None, Callable | None]:
         """data.loaders.both's collate and batch transform (the task's, or --mixup's)."""
         return self.collate, self.batch_transform
 
     def optimizer_options(self) -> dict:
-        """optim.build.build's settings that come from the task: its sparse parameters and parameter groups."""
-        return {"sparse": self.sparse, "groups": self.groups}
+        """optim.build.build's settings that come from the task: its sparse parameters, parameter groups and own
+        optimizer."""
+        return {"sparse": self.sparse, "groups": self.groups, "own": self.own_optimizer, "head": self.head}
 
     @property
     def measures_noise(self) -> bool:
         return self.no_noise_scale is None
 
-    def notes(self, plan: Plan, noise_flag: bool) -> list[str]:
-        """What the run's log says about them at its start."""
-        notes = [line for line in (self.shard_line, self.checkpointing_line) if line]
+    def notes(self, plan: Plan, noise_flag: bool, optimizer: Optimizer | None = None) -> list[str]:
+        """What the run's log says about them at its start (and the `optimizer` the run steps: its class, settings and
+        groups, the exclusion rule and the task's groups applied)."""
+        notes = [groups.describe(optimizer)] if optimizer is not None else []
+        notes += [line for line in (self.shard_line, self.checkpointing_line) if line]
         if self.batch_transform is not None:
             notes.append(describe_transform(self.batch_transform))
         notes += [self.flops.describe()] if self.flops is not None else []
@@ -96,7 +103,7 @@ class Findings:
             notes.append(
                 "the task's loss gathers from every rank but sees one micro-batch at a time: set cached_accumulation"
             )
-        if self.groups:
+        if self.groups and optimizer is None:
             shown = ", ".join(describe_group(group) for group in self.groups)
             notes.append(f"the task's parameter groups: {shown}")
         if self.sparse:
@@ -182,7 +189,12 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
     scoring = seam.check_scoring(task, model, dataset, collate)
     if setup.ddp_waits_for_every_gradient and setup.world_size > 1 and not setup.traced:
         seam.check_unused_parameters(task, model, dataset, collate)  # one that gets none: said here, not a hang
-    groups = seam.param_groups(task, model)  # by name: the model is sharded or wrapped later
+    own_optimizer = getattr(task, "optimizer", None) if callable(getattr(task, "optimizer", None)) else None
+    optimizer = setup.optimizer if own_optimizer is None else None  # the task's own: its keys checked when built
+    groups = seam.param_groups(task, model, optimizer, setup.lars_wrap)  # by name: sharded or wrapped later
+    head = muon.output_head(task, model) if optimizer == "muon" else ()
+    if optimizer == "muon":
+        muon.check_matrices(model, head)
     sparse = seam.sparse_parameters(task, model, dataset, collate)  # one backward: which get sparse gradients
     units, shard_line, checkpointing_line = [], None, None
     if setup.strategy == "fsdp":
@@ -241,4 +253,6 @@ def check(task, model: nn.Module, dataset, setup: Setup, make_plan: Callable[[st
         flops=flops.of_task(task, model, dataset, collate, plan.micro_batch) if setup.count_flops else None,
         mesh=mesh if setup.strategy == "fsdp" else None,
         batch_transform=transform,
+        own_optimizer=own_optimizer,
+        head=head,
     )

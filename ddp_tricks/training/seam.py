@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 
+from ddp_tricks import optim
 from ddp_tricks.data.loaders import batch_of
 from ddp_tricks.data.mixing import seeded
 from ddp_tricks.distributed.collectives import gather_calls
@@ -232,13 +233,15 @@ def check_sparse(
 
 
 GROUP_KEYS = ("params", "lr_mult", "weight_decay", "name")  # what a group of the task's param_groups() may say
+SWITCHES = ("lars", "nesterov", "amsgrad", "bias_correction", "trust_clip", "always_adapt")  # a group's True/False
 
 
-def param_groups(task, model: nn.Module) -> tuple[dict, ...]:
+def param_groups(task, model: nn.Module, optimizer: str | None = "sgd", lars_wrap: bool = False) -> tuple[dict, ...]:
     """The task's optional `param_groups(model)`, checked before any process group and kept by parameter NAME (the
     model is sharded or wrapped later, its parameters then other objects): ({"params": [names], "lr_mult",
-    "weight_decay" (absent: --wd), "name"}, ...). Every trainable parameter in exactly one group; frozen ones
-    (requires_grad=False) may be named and are left out. A mistake is one line naming the parameter or the group."""
+    "weight_decay" (absent: --wd), "name", 'lars' (False: no trust ratio), the keys of `--optimizer optimizer`:
+    optim.group_keys; None: the task's own optimizer's, checked when it is built}, ...). Every trainable parameter in
+    one group; frozen ones may be named and are left out. A mistake is one line naming the parameter or the group."""
     if not callable(getattr(task, "param_groups", None)):
         return ()
     groups = task.param_groups(model)
@@ -246,15 +249,18 @@ def param_groups(task, model: nn.Module) -> tuple[dict, ...]:
     if not isinstance(groups, (list, tuple)) or not groups or not all(isinstance(g, dict) for g in groups):
         raise UserError(f"the task's param_groups() gave {describe(groups)[:60]}, not a list of groups: {fix}")
     names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
+    allowed = optim.group_keys(optimizer, lars_wrap) if optimizer is not None else None
     owner: dict[int, str] = {}
     found = []
     for i, group in enumerate(groups):
         label = str(group.get("name", f"group {i}"))
         where = f"the task's param_groups(), {label!r},"
-        unknown = sorted(set(group) - set(GROUP_KEYS))
+        unknown = sorted(set(group) - set(allowed)) if allowed is not None else []
         if unknown or "params" not in group:
             what = f"the key {unknown[0]!r}" if unknown else "no 'params'"
-            raise UserError(f"{where} has {what}: a group takes {', '.join(map(repr, GROUP_KEYS))}")
+            whose = f"--optimizer {optimizer}{' --lars-wrap' if lars_wrap else ''}"
+            takes = f"a group under {whose} takes {', '.join(map(repr, allowed))}" if allowed else "a group needs one"
+            raise UserError(f"{where} has {what}: {takes}")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
@@ -267,16 +273,17 @@ def param_groups(task, model: nn.Module) -> tuple[dict, ...]:
                 )
             owner[id(p)] = label
         numbers = {"lr_mult": group.get("lr_mult", 1.0)}
-        if "weight_decay" in group:
-            numbers["weight_decay"] = group["weight_decay"]
+        numbers |= {key: group[key] for key in ("weight_decay", "eps", "momentum", "dampening") if key in group}
         for key, value in numbers.items():
             positive = key == "lr_mult"
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or not (value > 0 if positive else value >= 0):
                 raise UserError(f"{where} {key} must be a number {'>' if positive else '>='} 0, got {value!r}")
+        own = {key: value for key, value in group.items() if key not in GROUP_KEYS}
+        _check_own(where, own)
         kept = [names[id(p)] for p in params if p.requires_grad]
         if kept:
-            found.append({"params": kept, "name": label} | {k: float(v) for k, v in numbers.items()})
+            found.append({"params": kept, "name": label} | {k: float(v) for k, v in numbers.items()} | own)
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -285,6 +292,20 @@ def param_groups(task, model: nn.Module) -> tuple[dict, ...]:
             "the rest in one with lr_mult 1.0), or freeze it (requires_grad=False)"
         )
     return tuple(found)
+
+
+def _check_own(where: str, own: dict) -> None:
+    """A group's own keys that the template knows, one line each: switches True or False, betas two numbers in
+    [0, 1); momentum below 1."""
+    for key in SWITCHES:
+        if key in own and not isinstance(own[key], bool):
+            raise UserError(f"{where} {key} must be True or False, got {own[key]!r}")
+    betas = own.get("betas", (0.0, 0.0))
+    numbers = isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas)
+    if not (numbers and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        raise UserError(f"{where} betas must be two numbers in [0, 1), got {betas!r}")
+    if not own.get("momentum", 0.0) < 1:  # a number >= 0: checked with the numbers
+        raise UserError(f"{where} momentum must be in [0, 1), got {own['momentum']!r}")
 
 
 def _call(method, first, second, problem: str, fix: str):

@@ -1,0 +1,100 @@
+"""The optimizer's parameter groups: which parameters the exclusion rule keeps out of weight decay and the trust ratio
+(`excluded`, timm's `param_groups_weight_decay` and nanoGPT's rule), and the groups as the start line counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm, nn.RMSNorm)
+
+
+def _listed(model: nn.Module, method: str, prefixed: bool = True) -> set[str]:
+    """The names a model's `method()` (timm's `no_weight_decay()` / `no_weight_decay_keywords()`) gives, from the
+    model and from each submodule that has one (`prefixed`: its names under the submodule's)."""
+    found: set[str] = set()
+    for prefix, module in model.named_modules():
+        listing = getattr(module, method, None)
+        if callable(listing):
+            found |= {f"{prefix}.{name}" if prefix and prefixed else str(name) for name in listing()}
+    return found
+
+
+def excluded(model: nn.Module) -> set[int]:
+    """The ids of the parameters the exclusion rule (--no-decay-1d, once --bn-bias-separately) keeps out of weight
+    decay and the trust ratio: every parameter of one dimension or fewer (biases of any name, every norm's weight,
+    0-d scalars), every parameter of a normalisation layer, every bias by name (`bias`, `in_proj_bias`, `bias_k`),
+    and the names the model lists in `no_weight_decay()` or whose name holds a word of `no_weight_decay_keywords()`
+    (timm's convention; a submodule's lists count, under its prefix). A tied parameter is kept out where any of its
+    names is."""
+    names = _listed(model, "no_weight_decay")
+    keywords = _listed(model, "no_weight_decay_keywords", prefixed=False)
+    apart = set()
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            if (
+                p.ndim <= 1
+                or isinstance(module, NORM_LAYERS)
+                or "bias" in name.split("_")
+                or full in names
+                or any(word in full for word in keywords)
+            ):
+                apart.add(id(p))
+    return apart
+
+
+def split(params: Iterable[torch.Tensor], apart: set[int]) -> tuple[list, list]:
+    """`params` as (those the rule leaves in, those it keeps out), in their order."""
+    params = list(params)
+    return [p for p in params if id(p) not in apart], [p for p in params if id(p) in apart]
+
+
+def describe(optimizer: torch.optim.Optimizer) -> str:
+    """`optimizer AdamW (betas 0.9, 0.95, eps 1e-06): 2 groups: 4 tensors, 1,184 elements, wd 0.0005; 6 tensors,
+    96 elements, wd 0, no trust ratio`: the optimizer a run steps (its class, inside any wrapper), its settings the
+    flags reach and each group's tensors and elements, for the start line."""
+    inner, wrappers = optimizer, []
+    while hasattr(inner, "optimizer") and isinstance(inner.optimizer, torch.optim.Optimizer):
+        wrappers.append(type(inner).__name__)
+        inner = inner.optimizer
+    name = "".join(f"{w}(" for w in wrappers) + type(inner).__name__ + ")" * len(wrappers)
+    settings = [f"{key} {_shown(inner.defaults[key])}" for key in SHOWN if key in inner.defaults]
+    settings += [said for key, (when, said) in SWITCHES.items() if inner.defaults.get(key, not when) == when]
+    trust = any(w == "LARSWrapper" for w in wrappers) or "lars" in inner.defaults
+    parts = [describe_group(group, trust) for group in optimizer.param_groups]
+    settings_line = f" ({', '.join(settings)})" if settings else ""
+    return f"optimizer {name}{settings_line}: {len(parts)} group{'s' * (len(parts) != 1)}: {'; '.join(parts)}"
+
+
+SHOWN = ("betas", "eps", "momentum", "ns_steps")  # the settings the start line shows
+SWITCHES = {  # and the switches, when they are not the default: (the value, what the line says)
+    "nesterov": (True, "nesterov"),
+    "trust_clip": (True, "trust clip"),
+    "always_adapt": (False, "no trust ratio without weight decay"),
+}
+
+
+def _shown(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return ", ".join(_shown(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def describe_group(group: dict, trust: bool) -> str:
+    """`body: 4 tensors, 1,184 elements, LR x0.1, wd 0.01, no trust ratio`: one group of the optimizer."""
+    params = group["params"]
+    text = f"{len(params)} tensor{'s' * (len(params) != 1)}, {sum(p.numel() for p in params):,} elements"
+    if group.get("name"):
+        text = f"{group['name']}: {text}"
+    if group.get("lr_mult", 1.0) != 1.0:
+        text += f", LR x{group['lr_mult']:g}"
+    if "muon" in group:
+        text += ", Muon" if group["muon"] else ", AdamW"
+    text += f", wd {group.get('weight_decay', 0.0):g}"
+    if trust and not group.get("lars", True):
+        text += ", no trust ratio"
+    return text
