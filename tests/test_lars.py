@@ -381,7 +381,10 @@ def test_every_lars_the_run_or_the_factory_builds_takes_its_settings_through_one
     run = optimizers.build(model, "lars", lr=0.5, bn_bias_separately=True, **settings)
     wrapped = optimizers.build(model, "sgd", lr=0.5, lars_wrap=True, **settings)
     assert [type(optimizer).__name__ for optimizer in (factory, run, wrapped)] == ["LARS", "LARS", "LARSWrapper"]
-    assert len(made) == 3 and all(kw == {"lr": 0.5, **settings} for _, kw in made)
+    # the run's builds hand on the mesh's shard group too (None: an unsharded model)
+    assert len(made) == 3 and all(
+        kw | {"shard_group": None} == {"lr": 0.5, **settings, "shard_group": None} for _, kw in made
+    )
     for optimizer in (factory, run):
         assert {k: optimizer.defaults[k] for k in settings} == settings
     assert (wrapped.trust_coefficient, wrapped.eps) == (0.02, 1e-6)
