@@ -1,11 +1,16 @@
 """What docs/tasks.md says a task may do, run as a user runs it: activation checkpointing in the model trains under
-DDP and FSDP to the metrics of the same model without it, and a loss whose randomness is drawn per sample from a
-generator seeded by the sample's index and the step trains the same at 1 and 2 processes."""
+DDP and FSDP to the metrics of the same model without it, a loss whose randomness is drawn per sample from a
+generator seeded by the sample's index and the step trains the same at 1 and 2 processes, and the language model's
+position table may be longer than its sequences (--positions)."""
 
+import argparse
+import importlib.util
 import os
 
 import pytest
-from multiproc import launch
+from multiproc import REPO, launch
+
+from ddp_tricks import UserError
 
 
 def _last_row(run_dir):
@@ -41,3 +46,17 @@ def test_a_loss_s_randomness_seeded_by_sample_index_and_step_is_the_same_at_any_
     two = launch([*flags, "-b", "32", "-n", "two"])
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
     assert _last_row(tmp_path / "two") == pytest.approx(_last_row(tmp_path / "one"), rel=1e-6)
+
+
+def test_the_language_model_s_position_table_is_at_least_max_length():
+    """--positions below --max-length is one sentence (a sequence would index past the table); left out, the table
+    has --max-length rows, as before the flag."""
+    spec = importlib.util.spec_from_file_location("language_model", REPO / "examples" / "language_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sizes = {"max_sequences": 60, "max_length": 32, "width": 16, "depth": 1, "heads": 2, "tie_weights": False}
+    with pytest.raises(UserError, match="--positions 16 is shorter than --max-length 32"):
+        module.PythonSourceLM(argparse.Namespace(**sizes, positions=16))
+    for positions, rows in ((None, 32), (128, 128)):
+        model = module.PythonSourceLM(argparse.Namespace(**sizes, positions=positions)).model()
+        assert model.position.weight.shape == (rows, 16)
