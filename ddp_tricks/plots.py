@@ -207,3 +207,50 @@ def accuracy_vs_batch(results: dict[str, list[dict]], path: str | Path, metric: 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return Path(path)
+
+
+def phases(first: str | Path, after: list[str | Path], path: str | Path, start: str | Path | None = None) -> Path:
+    """A run in phases: `first` (phase 1) from 0, then each run of `after` placed where `first` ended (its units and
+    optimizer steps counted on from there), so a phase 2 started from phase 1 (`--init-from`) reads as its
+    continuation and a phase 2 from scratch starts at the same place beside it. `start`: an `--eval-only
+    --init-from` run folder (its eval.csv): the first phase's weights on the second phase's validation set, drawn
+    where phase 2 begins and joined to the runs that start from it. Three panels: the validation loss per epoch
+    against the training units (the task's units(): tokens), the per-step training loss and the LR (steps.csv)
+    against the global step."""
+    fig = _figure(figsize=(16, 5.5))
+    ax_val, ax_loss, ax_lr = fig.subplots(1, 3)
+    units_end = step_end = 0.0
+    begin = None  # where the runs started from the first phase begin, on the validation panel
+    for index, run_dir in enumerate([first, *after]):
+        epochs, steps = read_metrics(run_dir), read_metrics(run_dir, "steps.csv")
+        units_at = {r["step"]: r["units"] for r in steps}  # each epoch's last step has a row
+        units = [(units_end + units_at[r["step"]]) / 1e6 for r in epochs]
+        losses = [r["val_loss"] for r in epochs]
+        config = json.loads((Path(run_dir) / "config.json").read_text())
+        label = Path(run_dir).name
+        if config.get("init_from"):
+            label += " (--init-from" + (" --init-optimizer)" if config.get("init_optimizer") else ")")
+        (line,) = ax_val.plot(units, losses, "o-", label=label)
+        if index and config.get("init_from") and begin:
+            ax_val.plot([begin[0], units[0]], [begin[1], losses[0]], ":", color=line.get_color())
+        x = [step_end + r["step"] for r in steps]
+        ax_loss.plot(x, [r["train_loss"] for r in steps], "-", lw=1, color=line.get_color(), label=label)
+        ax_lr.plot(x, [r["lr"] for r in steps], "-", color=line.get_color(), label=label)
+        if index == 0:
+            units_end, step_end = steps[-1]["units"], steps[-1]["step"]
+            if start is not None:
+                begin = (units_end / 1e6, read_metrics(start, "eval.csv")[0]["val_loss"])
+                ax_val.plot(*begin, "kx", ms=9, label=f"{Path(first).name}'s weights on the next phase's validation")
+    for ax in (ax_loss, ax_lr):
+        ax.axvline(step_end, color="gray", lw=0.8, ls="--")
+    ax_val.axvline(units_end / 1e6, color="gray", lw=0.8, ls="--")
+    ax_val.set(title="Validation loss per epoch (each phase on its own validation set)",
+               xlabel="training units (tokens), millions", ylabel="loss")  # fmt: skip
+    ax_loss.set(title="Training loss per steps.csv row", xlabel="global optimizer step", ylabel="loss")
+    ax_lr.set(title="Learning rate (steps.csv)", xlabel="global optimizer step", ylabel="learning rate")
+    for ax in (ax_val, ax_loss, ax_lr):
+        ax.grid(alpha=0.3)
+    fig.legend(*ax_val.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=9)  # one for the three
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=100)
+    return Path(path)

@@ -15,7 +15,10 @@ padded to its longest. What it exercises that the image task does not:
   ended it) concatenated into one stream per split and cut into sequences of exactly --max-length predicted bytes,
   so no batch holds a padding token and every byte of the stream but its first is a target exactly once (the last,
   incomplete sequence dropped); the same sequences at any world size. Attention runs across the documents of a
-  sequence (GPT-2's packing): the blank line between them is the only boundary the model sees.
+  sequence (GPT-2's packing): the blank line between them is the only boundary the model sees;
+- `--positions N`: the position table's size (default: --max-length), so a first phase can train short sequences
+  with the table a second, longer phase needs: every tensor then matches, and `--init-from` the first phase's run
+  re-initialises nothing (BERT's two phases, recipes/lm-lamb-phase{1,2}.toml and docs/tasks.md).
 
     torchrun --standalone --nproc_per_node=2 run.py --task examples/language_model.py:PythonSourceLM \\
         --optimizer lamb -l 0.01 --wd 0.01 -b 16 -e 10 --warmup-epochs 1 --scheduler cosine
@@ -115,6 +118,13 @@ class PythonSourceLM:
         g = parser.add_argument_group("task: language model on Python's source (examples/language_model.py)")
         g.add_argument("--max-sequences", type=int, default=6000, help="paragraphs in all, train and validation")
         g.add_argument("--max-length", type=int, default=128, help="bytes per paragraph at most")
+        g.add_argument(
+            "--positions",
+            type=int,
+            default=None,
+            help="the model's position table size, at least --max-length (default: --max-length): a short first "
+            "phase with the table of a longer second one",
+        )
         g.add_argument("--width", type=int, default=64, help="the transformer's width")
         g.add_argument("--depth", type=int, default=2, help="transformer blocks")
         g.add_argument("--heads", type=int, default=4, help="attention heads per block")
@@ -129,6 +139,11 @@ class PythonSourceLM:
                 raise UserError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
         if args.max_sequences < 20:
             raise UserError(f"--max-sequences {args.max_sequences} leaves no validation set: give 20 or more")
+        if args.positions is not None and args.positions < args.max_length:
+            raise UserError(
+                f"--positions {args.positions} is shorter than --max-length {args.max_length}: give at least "
+                f"{args.max_length}, or leave it out"
+            )
         if args.width % args.heads:
             raise UserError(f"--width {args.width} must be a multiple of --heads {args.heads}")
         self.args = args
@@ -161,7 +176,8 @@ class PythonSourceLM:
 
     def model(self):
         a = self.args
-        return CausalTransformer(a.width, a.depth, a.heads, a.max_length, tie=a.tie_weights)
+        positions = a.max_length if a.positions is None else a.positions
+        return CausalTransformer(a.width, a.depth, a.heads, positions, tie=a.tie_weights)
 
     def shard_units(self, model):
         """With --strategy fsdp: each transformer block is sharded on its own, tied embedding and projection

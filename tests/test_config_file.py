@@ -263,6 +263,7 @@ SMALL = [
     for data in ("digits", "mnist", "mnist-large-batch")
     for optimizer in ("sgd", "lars", "lamb")
 ] + ["mnist-auto-batch-sgd.toml"]  # the large-batch SGD recipe with --batch-trace auto
+PHASES = {"lm-lamb-phase1.toml", "lm-lamb-phase2.toml"}  # the language model's; trained in test_task_recipes.py
 
 
 def _resolve(path: Path, tmp_path: Path):
@@ -276,13 +277,14 @@ def _resolve(path: Path, tmp_path: Path):
 def test_recipes_holds_every_row_of_both_tables_and_our_own():
     expected = {f"imagenet-resnet50-lars-b{b}.toml" for b in IMAGENET}
     expected |= {f"cifar10-resnet50-{o}-b{b}.toml" for b in CIFAR10 for o in ("sgd", "lars")}
-    assert {p.name for p in RECIPES.glob("*.toml")} == expected | set(SMALL)
+    assert {p.name for p in RECIPES.glob("*.toml")} == expected | set(SMALL) | PHASES
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.toml")))
 def test_every_recipe_resolves_to_a_valid_configuration(name, tmp_path):
     cfg = _resolve(RECIPES / name, tmp_path)
-    assert cfg.config_file == str((RECIPES / name).resolve()) and cfg.task == "task.py:Task"
+    task = "examples/language_model.py:PythonSourceLM" if name in PHASES else "task.py:Task"
+    assert cfg.config_file == str((RECIPES / name).resolve()) and cfg.task == task
 
 
 @pytest.mark.parametrize("batch", IMAGENET)
