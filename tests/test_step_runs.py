@@ -173,3 +173,33 @@ def test_an_evaluation_mid_epoch_drives_the_plateau_and_leaves_the_epoch_open():
     assert t.after_evaluation({"val_loss": 1.0}) and t.lr == 0.4
     assert not t.after_evaluation({"val_loss": 1.0}) and t.lr == 0.2  # no improvement: cut at once
     assert (t.progress.completed_epochs, t.progress.step_in_epoch) == (0, 15)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_lr_column_is_the_lr_each_step_applied(tmp_path):
+    """steps.csv's `lr` at step k is the LR step k trained with: in warmup base x k / W (the schedule's value before
+    the step, not after it), and in a traced run with --batch-lr-rule linear the schedule's times the step's
+    batch / the first batch (the rows showed the schedule's alone). Broken on purpose (the row reading the
+    optimizer's LR after the scheduler's step): every warmup row is one step ahead."""
+    import csv
+
+    from multiproc import python_run
+
+    base = ["--runs-dir", str(tmp_path), "--no-progress", "--log-interval", "1", "-e", "1"]
+    result = python_run([*base, "-n", "warm", "--warmup-epochs", "1"], timeout=200)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "warm" / "steps.csv")))
+    warmup = 45  # 1438 / 32 steps: one epoch
+    for row in rows:
+        assert float(row["lr"]) == pytest.approx(0.05 * int(row["step"]) / warmup, rel=1e-9), row["step"]
+    traced = ["--batch-trace", "examples/traces/doubling.csv", "-b", "16", "--batch-lr-rule", "linear"]
+    result = python_run([*base, "-n", "traced", *traced, "--warmup-epochs", "0", "-e", "3"], timeout=200)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "traced" / "steps.csv")))
+    batches = [float(b["samples"]) - float(a["samples"]) for a, b in zip([{"samples": 0}, *rows], rows)]
+    lrs = [float(row["lr"]) for row in rows]
+    assert len(set(batches)) > 1  # the trace's batches differ, and so do their LRs
+    assert lrs[0] == 0.05  # the schedule's at the trace's first batch, the run's reference
+    for batch, lr in zip(batches, lrs):
+        assert lr == pytest.approx(0.05 * batch / batches[0], rel=1e-9)

@@ -243,8 +243,8 @@ def optimizer_step(t: Training, params: list[torch.Tensor], lr_factor: float = 1
     """One optimizer step at the schedule's LR x `lr_factor`, and one schedule step, by `progress` (a traced step:
     its samples over the reference batch's, or AdaScale's gain); an fp16 step the scaler skips does not advance the
     schedule. Returns whether the step was taken."""
+    t.progress.lrs = tuple(group["lr"] * lr_factor for group in t.optimizer.param_groups)  # host floats: no sync
     took_step = t.precision.step(t.optimizer, params, t.clip_grad_norm, lr_factor)
-    t.progress.lr_factor = lr_factor  # a host float: what the rows and the epoch's line show as the LR applied
     t.progress.took_step(skipped=not took_step)
     if took_step:
         t.schedule.step(progress)

@@ -89,7 +89,7 @@ class Progress:
     skipped_steps: int = 0  # steps skipped (fp16 overflow, or a non-finite loss with "skip"), over the whole run
     first_global_step: int = 0  # where this process began: a checkpoint's, or 0
     steps_in_process: int = 0  # optimizer steps this process took or skipped, counted
-    lr_factor: float = 1.0  # the last step's LR over the schedule's: a trace's batch rule, AdaScale's gain (not saved)
+    lrs: tuple[float, ...] = ()  # each group's LR the last step applied (host floats; not saved: () before a step)
 
     def took_step(self, skipped: bool = False) -> None:
         self.global_step += 1
@@ -173,10 +173,11 @@ class Training:
 
     @property
     def lr(self) -> float:
-        """The LR the last step applied: the schedule's (a parameter group's LR over its multiplier, the task's
-        param_groups()) times the step's factor (a --batch-trace run's batch rule, AdaScale's gain)."""
+        """The LR the last step applied (before any step: the schedule's now), as a parameter group's LR over its
+        multiplier (the task's param_groups()): the schedule's times the step's factor (a --batch-trace run's batch
+        rule, AdaScale's gain)."""
         group = self.optimizer.param_groups[0]
-        return group["lr"] / group.get("lr_mult", 1.0) * self.progress.lr_factor
+        return (self.progress.lrs[0] if self.progress.lrs else group["lr"]) / group.get("lr_mult", 1.0)
 
     @property
     def stopped_early(self) -> bool:

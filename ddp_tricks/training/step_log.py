@@ -222,9 +222,8 @@ class StepLog:
         row |= {"samples": round(self.seen["samples"] + samples_epoch), "units": self.seen["units"] + units_epoch}
         row |= report(t.task, t.sums_layout, "train", total["sums"], units)
         groups = t.optimizer.param_groups
-        factor = t.progress.lr_factor  # the LR applied: the schedule's times a trace's batch rule or AdaScale's gain
-        row |= {"lr": t.lr}
-        row |= {f"lr_{name or i}": g["lr"] * factor for i, (name, g) in enumerate(zip(self.group_names, groups))}
+        applied = t.progress.lrs or tuple(g["lr"] for g in groups)  # the last step's: a trace's factor in it
+        row |= {"lr": t.lr} | {f"lr_{name or i}": lr for i, (name, lr) in enumerate(zip(self.group_names, applied))}
         row |= {
             "grad_norm": first["grad_norm"][0],
             "loss_scale": first["loss_scale"][0],
