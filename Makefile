@@ -11,7 +11,7 @@ ARGS ?=
 # so two workers keep both cores of a 2-core machine busy and halve its wall time
 TEST_WORKERS ?= 2
 
-.PHONY: install-all run test test-fast lint format bench gpu-check clean
+.PHONY: install-all run test test-fast test-extras lint format bench gpu-check clean
 
 install-all: $(STAMP)
 
@@ -49,6 +49,14 @@ test: install-all
 # The edit-test loop: everything but the slow multi-process tests (marked `slow`).
 test-fast: install-all
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+
+# The optional integration that `make test` skips: NVIDIA DALI (--data-backend dali), about 500 MB of Linux-only wheels
+# (1.1 GB installed) that stay out of requirements-dev.txt; installed into the venv here, its tests then run on the CPU
+# (docs/development.md). CI runs it as a job of its own.
+DALI := nvidia-dali-cuda120==2.4.0
+test-extras: install-all
+	$(PY) -m pip install --quiet --disable-pip-version-check $(DALI)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup tests/test_dali.py tests/test_data_backends.py
 
 lint: install-all
 	$(VENV)/bin/ruff check .

@@ -10,10 +10,18 @@ On generated JPEGs at quality 90: `--images` of ImageNet's typical sizes (about 
 (its collate included, in batches of 64), the paths alternating; the medians over `--rounds` rounds of each path's
 CPU time per image and of the ratio to the reference. Then the bytes per image that cross shared memory, pinned
 memory and the host-to-device copy; with `--workers N`, the template's loader's images/s at N worker processes (wall
-time); and how many cores one GPU at `--gpu-rate` images/s needs at this machine's rate. The last line is one JSON
-object.
+time); and how many cores one GPU at `--gpu-rate` images/s needs at this machine's rate.
 
-    python bench/input_pipeline.py [--images 120] [--large 24] [--rounds 5] [--workers 0] [--gpu-rate 3000]
+With the image recipe's augmentation on (#59: `--aa rand-m9-mstd0.5 --reprob 0.25`), on `--augmented` more JPEGs of
+ImageNet's typical sizes, rounds alternating as above: the template's path (RandAugment and random erasing by v2 on
+the uint8 crop, each sample's draws from its own (seed, epoch, index) generator) against torchvision's reference
+doing the same ops with transforms.v2 on PIL images: RandomResizedCrop, RandomHorizontalFlip, timm's two ops each
+with probability 0.5 (RandomApply of a one-op RandAugment at timm's magnitude 9 of 10, twice), PILToTensor,
+ToDtype(float32, scale), Normalize, RandomErasing(0.25, value="random"). Then the device-side part of a step with
+--mixup 0.8 --cutmix 1.0 (data.decoded.on_device, data.mixing.Mixing under its seeding) per batch, on CUDA where
+visible, else on this CPU. The last line is one JSON object.
+
+    python bench/input_pipeline.py [--images 120] [--large 24] [--augmented 120] [--rounds 5] [--workers 0]
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ddp_tricks.data.decoded import DecodedImages  # noqa: E402
+from ddp_tricks.data.decoded import MEAN, STD, DecodedImages  # noqa: E402
+from ddp_tricks.data.recipe import ImageRecipe  # noqa: E402
 
 SIZE = 224
 BATCH = 64
+AA, REPROB = "rand-m9-mstd0.5", 0.25  # DeiT's and "ResNet strikes back"'s recipe (timm's --aa, --reprob)
 
 
 def picture(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
@@ -80,6 +90,59 @@ class Reference:
         self.collate = default_collate
 
 
+def augmented_reference(root: Path):
+    """torchvision's reference with the recipe's augmentation, by transforms.v2 on PIL images, as (dataset, collate)."""
+    from torch.utils.data import default_collate
+    from torchvision import datasets
+    from torchvision.transforms import v2
+
+    one_op = v2.RandomApply([v2.RandAugment(1, magnitude=90, num_magnitude_bins=101)], p=0.5)  # timm's p and m9
+    augment = v2.Compose(
+        [v2.RandomResizedCrop(SIZE), v2.RandomHorizontalFlip(), one_op, one_op, v2.PILToTensor()]
+        + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD), v2.RandomErasing(REPROB, value="random")]
+    )
+    return datasets.ImageFolder(str(root), transform=augment), default_collate
+
+
+def augmented_paths(root: Path) -> dict:
+    template = DecodedImages(str(root), SIZE, train=True, recipe=ImageRecipe(aa=AA, reprob=REPROB))
+    return {"reference": augmented_reference(root), "uint8+recipe": (template, template.collate)}
+
+
+def device_side(device: torch.device, rounds: int, batch: int = BATCH, classes: int = 1000) -> dict:
+    """ms per batch of the step's device-side input work with --mixup 0.8 --cutmix 1.0: the uint8 batch to float32,
+    normalised, channels-last (data.decoded.on_device), then data.mixing.Mixing under its per-micro-batch seeding;
+    the median of `rounds` timed batches after one to warm up."""
+    from ddp_tricks.data.mixing import Mixing, seeded
+
+    images = torch.randint(0, 256, (batch, 3, SIZE, SIZE), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, classes, (batch,), device=device)
+    mixing = Mixing(classes, 0.8, 1.0)
+    times = {"normalise": [], "mixup/cutmix": []}
+    for key in range(rounds + 1):
+        marks = [time.perf_counter()]
+        inputs = on_device_synced(images, device)
+        marks.append(time.perf_counter())
+        with seeded(key, device):
+            mixed, _ = mixing(inputs, labels)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        marks.append(time.perf_counter())
+        if key:
+            times["normalise"].append(marks[1] - marks[0])
+            times["mixup/cutmix"].append(marks[2] - marks[1])
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()} | {"batch": batch}
+
+
+def on_device_synced(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    from ddp_tricks.data.decoded import on_device
+
+    inputs = on_device(images, torch.float32, True, MEAN, STD)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return inputs
+
+
 def one_pass(dataset, collate) -> float:
     """CPU seconds per image to fetch and collate every image of the set, in batches of BATCH."""
     start = time.process_time()
@@ -115,9 +178,9 @@ def dali_path(root: Path):
     return dataset, lambda samples: dataset.finish(dataset.collate(samples)[0], torch.device("cpu"))
 
 
-def measure(root: Path, rounds: int) -> dict:
+def measure(root: Path, rounds: int, paths: dict | None = None) -> dict:
     """Each path's median CPU time per image (ms) and its median ratio to the reference's, rounds alternating."""
-    paths = paths_of(root)
+    paths = paths_of(root) if paths is None else paths
     times = {name: [] for name in paths}
     for dataset, collate in paths.values():  # a warm-up pass: files in the page cache, code loaded
         one_pass(dataset, collate)
@@ -153,6 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=120, help="JPEGs of ImageNet's typical sizes")
     parser.add_argument("--large", type=int, default=24, help="JPEGs of about 1200 x 900")
+    parser.add_argument("--augmented", type=int, default=120, help=f"JPEGs timed with --aa {AA} --reprob {REPROB}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=0, help="also time the template's loader at N workers")
     parser.add_argument("--gpu-rate", type=float, default=3000.0, help="images/s one GPU trains (ResNet-50: ~3,000)")
@@ -165,10 +229,17 @@ def main() -> None:
         if large is not None:
             results["large"] = measure(large, args.rounds)
         rate = loader_rate(typical, args.workers) if args.workers else None
-    for kind, title in (("typical", "about 500 x 375"), ("large", "about 1200 x 900")):
+        if args.augmented:
+            augmented_root = write_jpegs(Path(tmp) / "augmented", args.augmented, large=False, seed=2)
+            results["augmented"] = measure(augmented_root, args.rounds, augmented_paths(augmented_root))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device_ms = device_side(device, args.rounds)
+    titles = {"typical": "JPEGs of about 500 x 375", "large": "JPEGs of about 1200 x 900"}
+    titles["augmented"] = f"JPEGs of about 500 x 375 with --aa {AA} --reprob {REPROB}"
+    for kind, title in titles.items():
         if kind not in results:
             continue
-        print(f"training images at {SIZE} px, JPEGs of {title}, one thread, collate included:")
+        print(f"training images at {SIZE} px, {title}, one thread, collate included:")
         for name, row in results[kind].items():
             per_core = 1e3 / row["ms_per_image"]
             print(
@@ -191,7 +262,17 @@ def main() -> None:
     )
     ratio = typical_rows["uint8+draft"]["ms_per_image"] / typical_rows["reference"]["ms_per_image"]
     print(f"the template's CPU time per image / the reference's: {ratio:.2f} (the issue asks at most {1 / 1.5:.2f})")
-    print(json.dumps({"results": results, "loader_images_per_s": rate, "cores_per_gpu": cores, "ratio": ratio}))
+    if "augmented" in results:
+        speedup = results["augmented"]["uint8+recipe"]["speedup"]
+        print(
+            f"with the recipe's augmentation, the template's speed-up over the reference: {speedup:.2f}x (asked: 1.3x)"
+        )
+    print(
+        f"on the device ({device}), a batch of {device_ms['batch']} at {SIZE} px: to float32, normalised, channels-last"
+        f" {device_ms['normalise']:.2f} ms; --mixup 0.8 --cutmix 1.0 {device_ms['mixup/cutmix']:.2f} ms"
+    )
+    summary = {"results": results, "loader_images_per_s": rate, "cores_per_gpu": cores, "ratio": ratio}
+    print(json.dumps(summary | {"device": str(device), "device_ms_per_batch": device_ms}))
 
 
 if __name__ == "__main__":

@@ -268,16 +268,42 @@ PHASES = {"lm-lamb-phase1.toml", "lm-lamb-phase2.toml"}  # the language model's;
 
 def _resolve(path: Path, tmp_path: Path):
     """Flags and task of a recipe, with existing folders for the paths a user must give."""
-    folders = ["--train-dir", str(tmp_path), "--val-dir", str(tmp_path)] if "imagenet" in path.name else []
+    folders = ["--train-dir", str(tmp_path), "--val-dir", str(tmp_path)] if "imagefolder" in path.read_text() else []
     cfg, task_class = config.parse(["--config", str(path), *folders, "--runs-dir", str(tmp_path / "runs")])
     task_class(cfg)  # the task's own checks (model name, image folders named, label smoothing)
     return cfg
 
 
+# #59's recipes: the file -> (optimizer, model, --aa, mixup, cutmix, the papers' top-1 figures its header gives)
+IMAGE_RECIPES = {
+    "deit-small-vit.toml": ("adamw", "vit_b_16", "rand-m9-mstd0.5-inc1", 0.8, 1.0, ["79.9 %", "81.8 %"]),
+    "rsb-resnet50-a3.toml": ("lamb", "resnet50", "rand-m6-mstd0.5-inc1", 0.1, 1.0, ["80.4 %", "79.8 %", "78.1 %"]),
+}
+
+
+@pytest.mark.parametrize("name", IMAGE_RECIPES)
+def test_the_image_recipes_parse_with_their_paper_s_settings_and_target(name, tmp_path):
+    """DeiT's and "ResNet strikes back" A3's files: read by run.py's parser and the task's checks, with the recipe's
+    optimizer, model, augmentation and mixing, the papers' ImageNet figures in the header, a cosine schedule after a
+    warmup, and the launch's global batch (DeiT 1024, RSB 2048)."""
+    optimizer, model, aa, mixup, cutmix, figures = IMAGE_RECIPES[name]
+    cfg = _resolve(RECIPES / name, tmp_path)
+    assert (cfg.optimizer, cfg.model, cfg.dataset, cfg.aa, cfg.mixup, cfg.cutmix) == (
+        optimizer, model, "imagefolder", aa, mixup, cutmix
+    )  # fmt: skip
+    assert cfg.scheduler == "cosine" and cfg.warmup_epochs == 5.0
+    text = (RECIPES / name).read_text()
+    assert all(figure in text for figure in figures)
+    processes = int(re.search(r"--nproc_per_node=(\d+)", text).group(1))
+    assert cfg.batch_size * processes == (1024 if name.startswith("deit") else 2048)
+    if name.startswith("deit"):
+        assert cfg.model_ema == 0.99996 and cfg.reprob == 0.25 and cfg.label_smoothing == 0.1 and cfg.aug_repeats == 3
+
+
 def test_recipes_holds_every_row_of_both_tables_and_our_own():
     expected = {f"imagenet-resnet50-lars-b{b}.toml" for b in IMAGENET}
     expected |= {f"cifar10-resnet50-{o}-b{b}.toml" for b in CIFAR10 for o in ("sgd", "lars")}
-    assert {p.name for p in RECIPES.glob("*.toml")} == expected | set(SMALL) | PHASES
+    assert {p.name for p in RECIPES.glob("*.toml")} == expected | set(SMALL) | PHASES | set(IMAGE_RECIPES)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.toml")))

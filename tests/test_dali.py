@@ -3,10 +3,11 @@ sampler lists, with each sample's crop and flip drawn from (seed, epoch, index) 
 DALI's CPU decoder is libjpeg-turbo, bit-identical to decode_jpeg here; its antialiased linear resize rounds
 differently from torch's, so the batches equal the torchvision backend's within a few levels of 255.
 
-CI has no DALI: these tests skip. To run them, install the wheel into a folder of its own and put it on the path:
-    pip install --no-deps --target DIR nvidia-dali-cuda120 (and its dependencies, --target DIR too)
-    PYTHONPATH=DIR:. pytest tests/test_dali.py
-(`pip install -e '.[dali]'` installs it into the environment instead.)"""
+`make test` skips them (DALI's wheels are about 500 MB, not in requirements-dev.txt); `make test-extras` installs DALI
+into .venv and runs them (CI's extras job). Or install it into a folder of its own and put that on the path:
+    pip install --target DIR nvidia-dali-cuda120
+    PYTHONPATH=.:DIR pytest tests/test_dali.py
+"""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ except ImportError:
     NO_DALI = True
 needs_dali = pytest.mark.skipif(
     NO_DALI,
-    reason="NVIDIA DALI is not installed: pip install --target DIR nvidia-dali-cuda120, then "
-    "PYTHONPATH=DIR:. pytest tests/test_dali.py (or pip install -e '.[dali]')",
+    reason="NVIDIA DALI is not installed: make test-extras installs it and runs these tests",
 )
 CPU = torch.device("cpu")
 

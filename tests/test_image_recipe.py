@@ -171,3 +171,25 @@ def test_a_jpeg_folder_run_with_the_whole_recipe_preempted_on_2_ranks_and_resume
     output = test_decoded_images.preempted_on_2_and_resumed_on_1(tmp_path, monkeypatch)
     assert "then --aa rand-m9-mstd0.5-inc1, random erasing p 0.25" in output
     assert "batch transform: mixup 0.8 and cutmix 1" in output
+
+
+def test_the_augmentation_s_sharpness_is_v2_s_under_onednn_and_the_flag_is_put_back():
+    """Augment runs v2 with oneDNN off (augment.native_conv: its sharpness blur is 9x faster then): the same images
+    as v2 under oneDNN, for images and factors of every kind, and oneDNN on again after, an exception included.
+    Broken on purpose: native_conv without its `finally` leaves oneDNN off after the exception."""
+    from torchvision.transforms.v2 import functional as F
+
+    from ddp_tricks.data.augment import native_conv
+
+    generator = torch.Generator().manual_seed(0)
+    for height, width in ((224, 224), (37, 61)):
+        image = torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=generator)
+        for factor in (0.1, 0.37, 1.0, 1.9):
+            assert torch.backends.mkldnn.enabled
+            expected = F.adjust_sharpness(image, factor)
+            with native_conv():
+                assert not torch.backends.mkldnn.enabled
+                assert torch.equal(F.adjust_sharpness(image, factor), expected)
+    with pytest.raises(RuntimeError), native_conv():
+        raise RuntimeError("a transform failed")
+    assert torch.backends.mkldnn.enabled

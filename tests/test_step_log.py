@@ -231,11 +231,15 @@ def test_a_step_flag_s_mistake_is_one_line(flags, says, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_wandb_without_its_package_is_one_line(tmp_path):
-    """Said before anything starts (no run folder). Broken on purpose: the check dropped from check_step_flags fails
-    it (the sink's own line then comes after the run folder is written)."""
-    if _has_wandb():
-        pytest.skip("wandb is installed here")
-    result = python_run(["--wandb", "--runs-dir", str(tmp_path), "-n", "w"])
+    """Said before anything starts (no run folder). Where wandb is installed (requirements-dev.txt has it), a module
+    of that name that fails to import, first on PYTHONPATH, hides it. Broken on purpose: the check dropped from
+    check_step_flags fails it (the sink's own line then comes after the run folder is written)."""
+    hidden = tmp_path / "hide"
+    hidden.mkdir()
+    (hidden / "wandb.py").write_text("raise ImportError('wandb hidden by the test')\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, str(REPO / "run.py"), "--wandb", "--runs-dir", str(tmp_path), "-n", "w"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=100, env=env)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "--wandb needs the wandb package: pip install wandb" in result.stderr
     assert not (tmp_path / "w").exists()
@@ -270,7 +274,7 @@ def wandb_records(path) -> list[bytes]:
 @pytest.mark.timeout(300)
 def test_wandb_offline_gets_the_rows(tmp_path):
     """The rows through W&B (offline, no network), read back from the run it wrote: every row at its global step,
-    with its training loss. Runs where wandb is installed (pip install -e '.[wandb]'; CI has not). Broken on purpose:
+    with its training loss. wandb is in requirements-dev.txt, so `make test` runs it. Broken on purpose:
     the sink logging at the epoch instead of the global step fails it."""
     if not _has_wandb():
         pytest.skip("wandb is not installed (pip install -e '.[wandb]')")

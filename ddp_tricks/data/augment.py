@@ -9,6 +9,7 @@ number of workers and ranks and after a resume, and the worker's generator is le
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -69,6 +70,19 @@ def auto_augment(spec: dict | None, fill: list[int]):
     return TimmRandAugment(fill=fill, **spec)
 
 
+@contextlib.contextmanager
+def native_conv():
+    """oneDNN off for the augmentation's one convolution, v2's sharpness blur (3 x 3, one image, groups=3): oneDNN
+    takes 4.5 ms for it here, ATen's own kernel 0.5 ms (bench/input_pipeline.py). The same image: the blur of uint8
+    values by (1, 5)/13 is rounded, and (sum of integers)/13 is never within float error of a half."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 class Augment:
     """What follows a training sample's crop and flip: colour jitter, the --aa policy, then random erasing (timm's
     order: erasing last, where timm erases the normalised tensor), each on the (3, H, W) uint8 image."""
@@ -77,6 +91,7 @@ class Augment:
         from torchvision.transforms import v2
 
         self.recipe = recipe
+        self.augments = recipe.augments  # once: the property parses --aa, 5 % of a sample's time if asked per call
         cj = recipe.color_jitter
         self.jitter = v2.ColorJitter(brightness=cj, contrast=cj, saturation=cj) if cj > 0 else None
         self.auto = auto_augment(parse_aa(recipe.aa), recipe.fill())
@@ -87,10 +102,12 @@ class Augment:
 
     def __call__(self, image: torch.Tensor, rng: random.Random) -> torch.Tensor:
         """The sample's augmented image, every draw from `rng` (the sample's generator) and nothing else."""
-        if not self.recipe.augments:
+        if not self.augments:
             return image
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rng.getrandbits(63))
+        with torch.random.fork_rng(devices=[]), native_conv():
+            # the CPU generator alone: torch.manual_seed also seeds every device's (CUDA's lazy seeding records the
+            # caller's stack), a third of this call's time in a loader worker, for generators v2 does not use here
+            torch.default_generator.manual_seed(rng.getrandbits(63))
             if self.jitter is not None:
                 image = self.jitter(image)
             if self.auto is not None:
