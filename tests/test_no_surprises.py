@@ -102,7 +102,7 @@ def test_help_shows_every_default_once(monkeypatch):
     assert entries["--end-lr END_LR"].endswith("(default: 0)")
     assert entries["-l BASE_LR, --base-lr BASE_LR, --learning-rate BASE_LR, --learning_rate BASE_LR, --lr BASE_LR"] == (
         "learning rate before scaling (default: the optimizer's: sgd 0.05, adam 0.003, adamw 0.003, lars 5, lamb "
-        "0.02; with --lars-wrap: sgd 5, the others their own)"
+        "0.02, muon 0.003; with --lars-wrap: sgd 5, the others their own)"
     )
 
 
@@ -315,11 +315,11 @@ def test_a_run_continued_with_more_epochs_schedules_over_its_new_length(tmp_path
     assert run.main([*flags, "-e", "1"]) == 0
     saved = checkpoint.load(tmp_path / "grow" / "last.pt")
     assert run.main([*flags, "-e", "3", "--resume", "auto"]) == 0
-    # 23 steps per epoch; the LR in each row is the one after that epoch's last step, on a 69-step cosine
+    # 23 steps per epoch; the LR in each row is the one that epoch's last step applied, on a 69-step cosine
     total = 69
     assert_resumed((tmp_path / "grow" / "train.log").read_text(), saved, total)
     lrs = [float(r.split(",")[6]) for r in _metrics_rows(tmp_path / "grow")]
-    expected = [0.05 * (1 + math.cos(math.pi * min(23 * e + 1, total) / total)) / 2 for e in (2, 3)]
+    expected = [0.05 * (1 + math.cos(math.pi * min(23 * e, total) / total)) / 2 for e in (2, 3)]
     assert lrs[1:] == pytest.approx(expected, abs=1e-12) and lrs[1] > 0  # not the 1-epoch run's finished decay
 
 

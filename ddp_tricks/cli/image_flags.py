@@ -39,7 +39,7 @@ def add_image_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="F",
-        help="brightness, contrast and saturation jitter (timm's default 0.4; as timm, not with --aa)",
+        help="brightness, contrast and saturation jitter (timm uses 0.4; as timm, not with --aa)",
     )
     g.add_argument("--aa", default=None, metavar="POLICY", help=f"automatic augmentation, timm's string: {AA_FORMS}")
     g.add_argument("--reprob", type=float, default=0.0, metavar="P", help="random erasing probability")
