@@ -101,8 +101,8 @@ def test_plot_lr_draws_the_schedule_training_then_follows(tmp_path):
     assert trained.returncode == 0, trained.stderr[-3000:]
     with open(tmp_path / "trained" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    for row in rows[:-1]:  # the LR after an epoch's last step is the one the next step will use
-        assert float(row["lr"]) == pytest.approx(planned[int(row["step"]) + 1], rel=1e-12)
+    for row in rows:  # the LR an epoch's last step applied: the preview's at that step
+        assert float(row["lr"]) == pytest.approx(planned[int(row["step"])], rel=1e-12)
 
 
 def _lr_line(monkeypatch, argv: list[str]) -> tuple[list[float], list[float]]:
