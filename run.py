@@ -41,7 +41,7 @@ from ddp_tricks.traces import batch_trace
 from ddp_tricks.training import auto_batch, loop, preflight, step_evaluations, step_log
 from ddp_tricks.training.ema import ModelEma
 from ddp_tricks.training.precision import DTYPES, Precision
-from ddp_tricks.training.state import Best, NonFiniteLoss, Training, describe_optimizer
+from ddp_tricks.training.state import Best, NonFiniteLoss, Training
 
 log = logging.getLogger("ddp_tricks")
 
@@ -74,7 +74,7 @@ def run(flags, task, process: launch.Launch) -> int:
     loaders.check_sizes(len(train_set), len(val_set), process.world_size)
     resume_from = checkpoint.resume_path(flags.resume, flags.run_dir, flags.strategy)
     state = checkpoint.load(resume_from, flags.strategy, evaluation=flags.eval_only) if resume_from else None
-    init = init_from.read(flags.init_from) if flags.init_from and state is None else None  # a new run from it
+    init = init_from.read(flags.init_from, flags.init_optimizer) if flags.init_from and state is None else None
     whole = state or (init and {"model": init.model})  # whole weights: FSDP's model made whole, not on meta
     model, recipe, made = placement.make(task, flags.strategy, flags.meta_init, whole)
     nccl = process.world_size > 1 and launch.backend_of(flags.backend, launch.device_type(flags.device)) == "nccl"
@@ -100,7 +100,7 @@ def run(flags, task, process: launch.Launch) -> int:
     if state is not None:
         t.load_state_dict(state, str(resume_from))
     elif init is not None and flags.init_optimizer:
-        made += init_from.load_optimizer(t.optimizer, init, describe_optimizer(t.optimizer))
+        made += init_from.load_optimizer(t.optimizer, init, t.header())
     collectives.require_same(
         (t.progress.completed_epochs, t.progress.step_in_epoch, t.progress.global_step),
         "the checkpoint each rank resumes from; put the runs folder on storage that every node shares",
@@ -199,7 +199,7 @@ def make_plan(flags, num_train: int, world_size: int, state: dict | None = None,
         **cli.plan_options(flags),
     )
     if run_batch is not None:  # a resume into another folder must leave it something to train
-        checkpoint.check_left(state, flags.resume, flags.run_dir, plan.epochs)
+        checkpoint.check_left(state, flags.resume, flags.run_dir, plan.epochs, plan.max_steps)
     return plan
 
 

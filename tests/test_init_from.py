@@ -189,3 +189,34 @@ def test_a_torchvision_weights_file_fine_tunes_resnet18_on_a_four_class_folder(t
     assert "started from the weights of weights file" in out and "120 of 122 tensors loaded" in out, out
     assert "re-initialised (as the model builds them): fc.weight [4, 512] (checkpoint [1000, 512]), fc.bias [4]" in out
     assert len(_rows(tmp_path, "ft")) == 1
+
+
+def test_init_optimizer_maps_the_state_by_parameter_name_and_only_for_loaded_weights():
+    """The source's groups laid out otherwise (no --no-decay-1d there, --no-decay-1d here: the groups' order
+    differs) and one weight not loaded (--init-exclude): each momentum buffer lands on the parameter of its name, and
+    the one not loaded starts fresh. Broken on purpose (mapped by place): features.1.bias got another parameter's
+    momentum of its shape."""
+    from ddp_tricks.optim import build as optimizers
+    from ddp_tricks.storage import init_from
+
+    torch.manual_seed(0)
+    model = models.build("toy", 1, 10)
+    source_opt = optimizers.build(model, "sgd", lr=0.1, momentum=0.9, bn_bias_separately=False)
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    source_opt.step()
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    names = [by_id[id(p)] for g in source_opt.param_groups for p in g["params"]]
+    momentum = {by_id[id(p)]: source_opt.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    source = init_from.Source(Path("src.pt"), "checkpoint", {}, None, source_opt.state_dict(), "SGD", 1, names)
+    source.loaded = set(names) - {"features.4.weight"}
+    target = optimizers.build(model, "sgd", lr=0.1, momentum=0.9, bn_bias_separately=True)
+    header = {"optimizer_name": "SGD", "optimizer_parameters": [by_id[id(p)] for g in target.param_groups for p in
+                                                                  g["params"]]}  # fmt: skip
+    lines = init_from.load_optimizer(target, source, header)
+    assert lines == ["optimizer state carried for 7 of 8 parameter(s), by name; fresh (not loaded, no state, or "
+                     "another shape): features.4.weight"]  # fmt: skip
+    for name, p in model.named_parameters():
+        if name == "features.4.weight":
+            assert p not in target.state or "momentum_buffer" not in target.state[p]
+        else:
+            assert torch.equal(target.state[p]["momentum_buffer"], momentum[name]), name

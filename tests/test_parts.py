@@ -126,7 +126,8 @@ def test_every_part_of_a_run_is_named_in_its_checkpoint():
     t = tiny.training(model, torch.optim.SGD(model.parameters(), lr=0.1))
     t.parts["tally"] = Tally()
     state = t.state_dict()
-    header = {"epoch", "step_in_epoch", "global_step", "skipped_steps", "optimizer_name", "world_size"}
+    header = {"epoch", "step_in_epoch", "global_step", "skipped_steps", "optimizer_name", "optimizer_parameters"}
+    header.add("world_size")
     assert set(state) == header | set(t.parts)
     parts = {
         "model",
@@ -195,3 +196,33 @@ def test_a_checkpoint_written_before_the_parts_loads_every_part():
     assert t.meter.sums.tolist() == saved["epoch_sums"][0][:-2].tolist()
     assert t.meter.samples == int(saved["epoch_sums"][0][-1]) == 5 * 32
     assert t.parts["rng"].pending == saved["rng"]
+
+
+def test_a_part_a_checkpoint_lacks_starts_as_built_adascale_too():
+    """A traced run with AdaScale resumed from a checkpoint without its state ("adascale": None, as every run without
+    AdaScale writes): AdaScale starts fresh, no traceback. Broken on purpose (AdaScale registered as it is): its
+    load_state_dict(None) raises TypeError."""
+    from ddp_tricks.distributed.trace_reduction import AdaScale, TraceReduction
+
+    model = models.build("toy", 1, 10)
+    params = [p for p in model.parameters() if p.requires_grad]
+    t = tiny.training(model, torch.optim.SGD(params, lr=0.1), reduction=TraceReduction(params, 16, AdaScale()))
+    state = t.state_dict() | {"adascale": None}
+    t.load_state_dict(state, "before.pt")
+    assert t.adascale.state_dict() == AdaScale().state_dict()
+
+
+def test_the_units_per_sample_of_the_epoch_done_come_back_between_epochs():
+    """--batch-trace auto sizes an epoch's batch from the noise scale divided by the units per sample of the epoch
+    before: a checkpoint between epochs keeps them (a resume read 1.0 there, and a units() task then chose another
+    batch than the uninterrupted run). Broken on purpose (state_dict None between epochs): 1.0 comes back."""
+    from ddp_tricks.training.meter import EpochMeter
+    from ddp_tricks.training.metric_states import Layout
+
+    meter = EpochMeter(Layout.scalars([]), torch.device("cpu"))
+    meter.start()
+    meter.add(torch.tensor([2.0], dtype=torch.float64), torch.tensor(90.0, dtype=torch.float64), 3)
+    meter.close()
+    again = EpochMeter(Layout.scalars([]), torch.device("cpu"))
+    again.load_state_dict(meter.state_dict())
+    assert again.units_per_sample == meter.units_per_sample == 30.0

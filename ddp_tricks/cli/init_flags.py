@@ -70,5 +70,5 @@ def _followers(cfg: argparse.Namespace) -> dict[str, bool]:
 
 
 def init_options(cfg: argparse.Namespace) -> dict:
-    """storage.init_from.apply's settings from the flags."""
+    """storage.init_from.start's settings from the flags."""
     return {"ema": cfg.init_from_ema, "exclude": cfg.init_exclude}

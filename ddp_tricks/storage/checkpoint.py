@@ -105,18 +105,25 @@ def resume_path(resume: str | None, run_dir: str | Path, strategy: str = "ddp") 
     return Path(resume)
 
 
-def check_left(state: dict, resume: str, run_dir: str | Path, epochs: int) -> None:
-    """A resume from another run's checkpoint into this run's folder (`--resume PATH -n NEW`) whose epochs are all
-    done: nothing would be trained or written there; a UserError that names the two ways on. (Resumed into its own
-    folder, a finished run just ends.)"""
+def check_left(state: dict, resume: str, run_dir: str | Path, epochs: int, max_steps: int = 0) -> None:
+    """A resume that would train nothing and yet close an epoch or fill a new folder, as a UserError naming the two
+    ways on: a checkpoint past --max-steps, or one from another run's folder (`--resume PATH -n NEW`) whose epochs
+    are all done. (Resumed into its own folder, a finished run just ends.)"""
+    step, new = state["global_step"], f"start a new run from its weights with --init-from {resume}"
+    if max_steps and step > max_steps:
+        raise UserError(
+            f"--resume {resume}: its run is at global step {step}, past --max-steps {max_steps}: nothing is left to "
+            f"train; give --max-steps above {step} to continue it, or {new}"
+        )
     if resume in (None, "auto") or state.get("step_in_epoch") or state["epoch"] < epochs:
         return
     if Path(run_dir).resolve() in Path(resume).resolve().parents:
         return
+    length = f"--max-steps {max_steps} ends" if max_steps else f"this run is {epochs} epoch(s) long"
+    more = f"--max-steps above {step}" if max_steps else f"--epochs above {state['epoch']}"
     raise UserError(
-        f"--resume {resume}: its run has done {state['epoch']} epoch(s), and this run is {epochs} epoch(s) long: "
-        f"nothing is left to train into {str(run_dir)!r}; give --epochs above {state['epoch']} to continue it, or "
-        f"start a new run from its weights with --init-from {resume}"
+        f"--resume {resume}: its run has done {state['epoch']} epoch(s), and {length}: nothing is left to train into "
+        f"{str(run_dir)!r}; give {more} to continue it, or {new}"
     )
 
 

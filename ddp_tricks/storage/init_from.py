@@ -35,11 +35,20 @@ class Source:
     optimizer: dict | None = None
     optimizer_name: str | None = None
     epochs: int = 0  # the epochs the source's run had done (0: a weights file)
-    notes: list[str] = field(default_factory=list)
+    parameters: list[str] = field(default_factory=list)  # the optimizer's parameters by name, in its groups' order
+    loaded: set[str] = field(default_factory=set)  # the model's tensors start() loaded from it
 
 
-def read(path: str | Path) -> Source:
-    """The source at `path`, or a UserError naming what is wrong with it (missing, corrupt, no tensors)."""
+def read(path: str | Path, optimizer: bool = False) -> Source:
+    """The source at `path`, or a UserError naming what is wrong with it (missing, corrupt, no tensors; with
+    `optimizer`, --init-optimizer, no optimizer state)."""
+    source = _read(path)
+    if optimizer:
+        check_optimizer(source)
+    return source
+
+
+def _read(path: str | Path) -> Source:
     path = Path(path)
     if not path.exists():
         raise UserError(
@@ -51,7 +60,7 @@ def read(path: str | Path) -> Source:
             return _sharded(path)
         for name in (LAST["ddp"], LAST["fsdp"]):
             if (path / name).exists():
-                return read(path / name)
+                return _read(path / name)
         raise UserError(
             f"--init-from {str(path)!r} is a folder with no {LAST['ddp']}, {LAST['fsdp']} or .metadata: give a run "
             "folder, a checkpoint file or a sharded checkpoint folder"
@@ -66,13 +75,15 @@ def read(path: str | Path) -> Source:
             "code, which is refused); give a checkpoint or a file saved with torch.save(model.state_dict())"
         ) from None
     if isinstance(state, dict) and "model" in state and "epoch" in state:  # a checkpoint of this template
-        ema = state.get("ema")
-        ema = _weights(ema["weights"], path) if ema else None
-        model = _weights(state["model"], path)
-        return Source(
-            path, "checkpoint", model, ema, state.get("optimizer"), state.get("optimizer_name"), state["epoch"]
-        )
+        return _ours(path, "checkpoint", state)
     return Source(path, "weights file", _weights(_unwrapped(state), path))
+
+
+def _ours(path: Path, kind: str, state: dict) -> Source:
+    """A checkpoint of this template (a file, or a sharded one's whole tensors) as a source."""
+    ema = _weights(state["ema"]["weights"], path) if state.get("ema") else None
+    return Source(path, kind, _weights(state["model"], path), ema, state.get("optimizer"), state.get("optimizer_name"),
+                  int(state.get("epoch", 0)), list(state.get("optimizer_parameters") or []))  # fmt: skip
 
 
 def _unwrapped(state):
@@ -121,10 +132,7 @@ def _sharded(path: Path) -> Source:
             raise
         raise UserError(f"--init-from {str(path)!r} cannot be read whole: a file of it is missing or damaged") from None
     state = sharded._join(state, targets)
-    ema = state.get("ema")
-    return Source(path, "sharded checkpoint", _weights(state["model"], path),
-                  _weights(ema["weights"], path) if ema else None, state.get("optimizer"),
-                  state.get("optimizer_name"), int(state.get("epoch", 0)))  # fmt: skip
+    return _ours(path, "sharded checkpoint", state)
 
 
 def matched(model: nn.Module, weights: dict[str, torch.Tensor], exclude: str | None) -> tuple[dict, list[str]]:
@@ -143,6 +151,10 @@ def matched(model: nn.Module, weights: dict[str, torch.Tensor], exclude: str | N
             left.append(f"{name} {list(value.shape)} (checkpoint {list(theirs.shape)})")
         else:
             fits[name] = theirs
+    if not fits and excluded:
+        raise UserError(
+            f"--init-exclude {exclude!r} leaves out every tensor of the model that the file holds: narrow it"
+        )
     if not fits:
         raise UserError(
             f"--init-from: none of the model's {len(mine)} tensors is in the file by name and shape (the file has "
@@ -170,38 +182,59 @@ def load_weights(model: nn.Module, fits: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(fits, strict=False)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, source: Source, ours: str) -> list[str]:
-    """--init-optimizer: the source's optimizer state into `optimizer` (this run's groups and LR kept), parameter by
-    parameter in the groups' order, where the state's tensors have the parameter's shape; the start lines say what
-    was carried and what starts fresh. A source of another optimizer, or none, is a UserError."""
+def check_optimizer(source: Source) -> None:
+    """--init-optimizer, before any process group: the source must hold an optimizer state (a sharded run's best.pt
+    holds weights only: its last.dcp has the state)."""
     if source.optimizer is None:
-        raise UserError(f"--init-optimizer: {str(source.path)!r} is a {source.kind} with no optimizer state")
+        where = "; its run's last.dcp or last.pt has it" if source.kind == "checkpoint" else ""
+        raise UserError(f"--init-optimizer: {str(source.path)!r} is a {source.kind} with no optimizer state{where}")
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, source: Source, header: dict) -> list[str]:
+    """--init-optimizer: the source's optimizer state into `optimizer` (this run's groups and LR kept), parameter by
+    parameter NAME (`header`: this run's checkpoint header, with the optimizer's name and its parameters' names in
+    its groups' order; the source's header has its own), only for the tensors start() loaded and where the state has
+    the parameter's shape; the start lines say what was carried and what starts fresh. A source of another optimizer
+    is a UserError; one that does not name its parameters (written before they were kept) is mapped by place only
+    where its groups are as long as this run's."""
+    check_optimizer(source)
+    ours, names = header["optimizer_name"], header["optimizer_parameters"]
     if source.optimizer_name != ours:
+        theirs = source.optimizer_name or "an optimizer this template did not write"
         raise UserError(
-            f"--init-optimizer: {str(source.path)!r} was trained with {source.optimizer_name}, this run builds {ours}: "
-            "give the optimizer flags it was trained with, or drop --init-optimizer"
+            f"--init-optimizer: {str(source.path)!r} was trained with {theirs}, this run builds {ours}: give the "
+            "optimizer flags it was trained with, or drop --init-optimizer"
         )
     saved, state = source.optimizer, optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     order = [i for group in saved["param_groups"] for i in group["params"]]
-    carried, fresh = {}, 0
-    for place, param in enumerate(params):
-        old = saved["state"].get(order[place]) if place < len(order) else None
+    place = {name: i for i, name in enumerate(source.parameters)}
+    if not source.parameters:
+        if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
+            raise UserError(
+                f"--init-optimizer: {str(source.path)!r} does not name its parameters (written before they were kept) "
+                "and its parameter groups differ from this run's: drop --init-optimizer, or start from a newer one"
+            )
+        place = {name: i for i, name in enumerate(names)}
+    carried, fresh, slow = {}, [], _slow(saved)
+    for i, (param, name) in enumerate(zip(params, names)):
+        old = saved["state"].get(order[place[name]]) if name in source.loaded and name in place else None
         if old is not None and all(_fits(v, param) for v in old.values()):
-            carried[place] = {k: _as_param(v, param) for k, v in old.items()}
+            carried[i] = {k: _as_param(v, param) for k, v in old.items()}
+            if slow is not None and "lookahead" in state:
+                state["lookahead"]["slow"][i] = _as_param(slow[place[name]], param)
         else:
-            fresh += 1
-    state["state"] = {i: carried[i] for i in carried}
-    # Lookahead's slow weights stay as built (the loaded weights) where the source's do not fit
-    slow = saved.get("lookahead", {}).get("slow") if isinstance(saved.get("lookahead"), dict) else None
-    if slow is not None and "lookahead" in state:
-        state["lookahead"]["slow"] = [
-            _as_param(s, p) if i < len(slow) and tuple(s.shape) == tuple(p.shape) else mine
-            for i, (p, mine, s) in enumerate(zip(params, state["lookahead"]["slow"], slow))
-        ]
+            fresh.append(name)
+    state["state"] = carried
     optimizer.load_state_dict(state)
-    line = f"optimizer state carried for {len(carried)} of {len(params)} parameter(s)"
-    return [line + (f"; {fresh} start fresh (no state, or another shape)" if fresh else "")]
+    line = f"optimizer state carried for {len(carried)} of {len(params)} parameter(s), by name"
+    return [line + (f"; fresh (not loaded, no state, or another shape): {_listed(fresh)}" if fresh else "")]
+
+
+def _slow(saved: dict) -> list | None:
+    """Lookahead's slow weights in a saved state, by the source's parameter order (None: not a Lookahead's)."""
+    ahead = saved.get("lookahead")
+    return ahead.get("slow") if isinstance(ahead, dict) else None
 
 
 def _fits(value, param: torch.Tensor) -> bool:
@@ -226,7 +259,10 @@ def start(model: nn.Module, source: Source, ema: bool = False, exclude: str | No
             raise UserError(f"--init-from-ema: {str(source.path)!r} holds no EMA weights (its run had no --model-ema)")
         weights = source.ema
     fits, lines = matched(model, weights, exclude)
+    if exclude is not None and not any(line.startswith("left as built by --init-exclude") for line in lines):
+        lines.append(f"--init-exclude {exclude!r} matched none of the model's tensors")
     load_weights(model, fits)
+    source.loaded = set(fits)
     whose = "EMA weights" if ema else "weights"
     done = f" (its run had done {source.epochs} epoch(s))" if source.epochs else ""
     first = f"started from the {whose} of {source.kind} {str(source.path)!r}{done}: {len(fits)} of "

@@ -59,6 +59,7 @@ class EpochMeter:
         self.empty_steps: int | torch.Tensor = 0
         self.step_units: torch.Tensor | None = None  # the step's units over every rank (units())
         self.open = False  # an epoch is under way: a checkpoint keeps its sums
+        self.last_units_per_sample = 1.0  # a checkpoint's, between epochs: what units_per_sample says before a step
         self._resumed: torch.Tensor | None = None  # a checkpoint's row for this rank, until the epoch starts
 
     @property
@@ -104,9 +105,9 @@ class EpochMeter:
 
     @property
     def units_per_sample(self) -> float:
-        """This rank's units per sample so far (1 for a task that counts samples; a host read of a device count
-        otherwise: never in a step)."""
-        return float(self.units) / self.samples if self.samples else 1.0
+        """This rank's units per sample in the epoch so far, or the last one's (a checkpoint's, after a resume between
+        epochs); 1 for a task that counts samples. A host read of a device count: never in a step."""
+        return float(self.units) / self.samples if self.samples else self.last_units_per_sample
 
     def check_units(self, epoch: int, empty: float | None = None) -> None:
         """A step whose micro-batches held no unit on any rank (units() gave 0 everywhere) trains on nothing: a user
@@ -121,15 +122,22 @@ class EpochMeter:
                 "unit (a real token, pixel or sample): check units() and the data"
             )
 
-    def state_dict(self) -> torch.Tensor | None:
-        """Mid-epoch, every rank's [sums, units, samples] (a collective: every rank calls); None between epochs."""
-        if not self.open or self.sums is None:
+    def state_dict(self) -> torch.Tensor | dict | None:
+        """Mid-epoch, every rank's [sums, units, samples] (a collective: every rank calls); between epochs, this rank's
+        units per sample of the epoch done (--batch-trace auto sizes the next epoch's batch by rank 0's); None
+        before any."""
+        if self.sums is None:
             return None
+        if not self.open:
+            return {"units_per_sample": self.units_per_sample}
         return gather_to_host(self.packed().vector)
 
-    def load_state_dict(self, state: torch.Tensor | None) -> None:
+    def load_state_dict(self, state: torch.Tensor | dict | None) -> None:
         """Keep this rank's share of a checkpoint's rows for the resumed epoch's start: its own row at the same world
-        size, else their total on rank 0 and zero on the others (sums add up over the ranks of any world size)."""
+        size, else their total on rank 0 and zero on the others (sums add up over the ranks of any world size); or,
+        between epochs, the units per sample of the epoch done."""
+        if isinstance(state, dict):
+            self.last_units_per_sample, state = float(state["units_per_sample"]), None
         self._resumed = None if state is None else resume_rows(state, self.rank, self.world_size)
 
 

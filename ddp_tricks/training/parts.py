@@ -27,6 +27,21 @@ class Absent:
         pass
 
 
+class Needed:
+    """An object whose `load_state_dict` needs a state (AdaScale, the schedule): a checkpoint without one (None, or
+    written before the object existed) leaves it as built."""
+
+    def __init__(self, holder):
+        self.holder = holder
+
+    def state_dict(self):
+        return self.holder.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        if state is not None:
+            self.holder.load_state_dict(state)
+
+
 class Weights:
     """The unwrapped model's state dict (sharded ones: DTensors, their slices filled before loading)."""
 

@@ -27,7 +27,17 @@ from ddp_tricks.training.gradients import ByWrapper, Traced
 from ddp_tricks.training.meter import EpochMeter
 from ddp_tricks.training.metric_states import Layout
 from ddp_tricks.training.noise import MicroBatches, NoiseScale, RankGradient
-from ddp_tricks.training.parts import Absent, Ema, Monitored, Noise, RandomStates, TaskState, Weights, restore_rng
+from ddp_tricks.training.parts import (
+    Absent,
+    Ema,
+    Monitored,
+    Needed,
+    Noise,
+    RandomStates,
+    TaskState,
+    Weights,
+    restore_rng,
+)
 from ddp_tricks.training.precision import Precision
 
 __all__ = ["Best", "NonFiniteLoss", "Progress", "Training", "describe_optimizer", "restore_rng"]
@@ -138,10 +148,10 @@ class Training:
         self.parts = {
             "model": Weights(self.raw_model),
             "optimizer": self.optimizer,
-            "schedule": self.schedule,
+            "schedule": Needed(self.schedule),
             "scaler": self.precision,
             "best": Monitored(self.best, self.early_stopping),
-            "adascale": self.adascale or Absent(),
+            "adascale": Needed(self.adascale) if self.adascale is not None else Absent(),
             "noise": Absent() if self.noise is None else Noise(self.noise, self.rank, self.world_size),
             "ema": Absent() if self.ema is None else Ema(self.ema, self.raw_model),  # after the model: starts from it
             "task": TaskState(self.task),
@@ -254,14 +264,18 @@ class Training:
 
     def header(self) -> dict:
         """What every reader of a checkpoint looks at first: where the run stands, the optimizer it was trained
-        with, the world size that wrote it (the sampler's position: `step_in_epoch` steps into epoch `epoch` + 1)."""
-        p = self.progress
+        with and the names of its parameters in its groups' order (--init-optimizer maps its state by them), the world
+        size that wrote it (the sampler's position: `step_in_epoch` steps into epoch `epoch` + 1)."""
+        p, names = self.progress, {id(param): name for name, param in self.raw_model.named_parameters()}
         return {
             "epoch": p.completed_epochs,
             "step_in_epoch": p.step_in_epoch if self.meter.open else 0,
             "global_step": p.global_step,
             "skipped_steps": p.skipped_steps,
             "optimizer_name": describe_optimizer(self.optimizer),
+            "optimizer_parameters": [
+                names.get(id(q), "") for group in self.optimizer.param_groups for q in group["params"]
+            ],
             "world_size": self.world_size,
         }
 
