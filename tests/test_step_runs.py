@@ -28,8 +28,8 @@ def test_max_steps_ends_at_its_step_with_the_schedule_that_long(tmp_path):
     assert [(int(r["epoch"]), int(r["step"])) for r in epochs] == [(1, 30)]
     rows = rows_of(folder / "steps.csv")
     assert [int(r["step"]) for r in rows] == [1, 5, 10, 15, 20, 25, 30]
-    for r in rows:  # the LR the next step uses: p = min(k + 1, 30) / 30 after k steps
-        p = min(int(r["step"]) + 1, 30) / 30
+    for r in rows:  # the LR step k applied: p = k / 30
+        p = int(r["step"]) / 30
         assert math.isclose(float(r["lr"]), 0.05 * (1 + math.cos(math.pi * p)) / 2, abs_tol=1e-12), r
 
 
