@@ -219,3 +219,51 @@ def test_the_language_model_under_muon_ends_the_same_on_1_process_ddp_and_fsdp(t
     for key, one in weights["one"].items():
         assert torch.equal(weights["ddp"][key], weights["fsdp"][key]), key
         assert ((weights["ddp"][key] - one).norm() / one.norm()).item() <= 1e-2, key
+
+
+def _hsdp_muon_steps(rank, world_size):
+    """MuonAdamW on a 2 x 2 HSDP mesh (replicas x shards), float64, gradients given: the full weights after 4 steps
+    and the matrices this rank orthogonalised."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from ddp_tricks.distributed.mesh import Mesh
+
+    grid = Mesh(world_size, 2).build("cpu").device_mesh
+    net = _net(torch.float64)
+    for unit in (net.conv, net.hidden, net.head):
+        fully_shard(unit, mesh=grid)
+    fully_shard(net, mesh=grid)
+    optimizer = optimizers.build(net, "muon", lr=0.02, weight_decay=0.1, head=("head.weight", "head.bias"))
+    orthogonalised, newton_schulz = [], muon.newton_schulz
+    muon.newton_schulz = lambda u, *a, **k: orthogonalised.append(tuple(u.shape)) or newton_schulz(u, *a, **k)
+    try:
+        for step in range(4):
+            for p, g in zip(net.parameters(), _grads(step, net)):
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            optimizer.step()
+    finally:
+        muon.newton_schulz = newton_schulz
+    return [p.full_tensor() for p in net.parameters()], orthogonalised
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hsdp_muon_orthogonalises_each_matrix_once_per_replica_and_equals_one_process():
+    """4 gloo ranks as 2 replicas x 2 shards (a replica's shards: consecutive ranks), float64: every rank's weights
+    after 4 steps equal one process's within 1e-5; within a replica each matrix is orthogonalised by one rank only
+    (the larger by its first rank, the other by its second), and each replica does it (they do not share the work).
+    Broken on purpose (shards.shard_group returning the whole world's group): the world's 4 ranks deal the matrices
+    among them, and FSDP's 2-way slices no longer line up: rank 2 fails in whole_matrices (a 72-element slice where
+    a 4-way one takes 36)."""
+    results = run_ranks(_hsdp_muon_steps, 4, timeout=240)
+    net = _net(torch.float64)
+    optimizer = optimizers.build(net, "muon", lr=0.02, weight_decay=0.1, head=("head.weight", "head.bias"))
+    for step in range(4):
+        for p, g in zip(net.parameters(), _grads(step, net)):
+            p.grad = g
+        optimizer.step()
+    for weights, _ in results:
+        worst = max((a - b.detach()).abs().max().item() for a, b in zip(weights, net.parameters()))
+        assert worst <= 1e-5, worst
+    assert [done for _, done in results] == [[(8, 18)] * 4, [(12, 8)] * 4] * 2
