@@ -77,6 +77,7 @@ bench: install-all
 	$(PY) bench/sparse_reduction.py
 	$(PY) bench/input_pipeline.py
 	$(PY) bench/reduction_memory.py
+	$(PY) bench/muon.py
 
 # No install-all: it runs on the machine's own Python (PYTHON=...), which needs torch and torchvision.
 gpu-check:

@@ -31,8 +31,8 @@ from ddp_tricks import cli, plots
 from ddp_tricks.storage import run_folder
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2}
-DEFAULT_SCALING = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt", "lars": "sqrt", "lamb": "sqrt"}
+DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "lars": 2.0, "lamb": 1e-2, "muon": 3e-3}
+DEFAULT_SCALING = {"sgd": "linear", "adam": "sqrt", "adamw": "sqrt", "lars": "sqrt", "lamb": "sqrt", "muon": "sqrt"}
 OPTIMIZER_FLAGS = {"lars": ["--bn-bias-separately"], "lamb": ["--bn-bias-separately"]}
 
 
