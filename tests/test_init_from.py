@@ -133,6 +133,7 @@ def test_init_from_with_resume_auto_resumes_the_run_s_own_checkpoint_once_it_has
         (["--init-from", "{tmp}/empty.pt"], "holds no tensors by name"),
         (["--init-from", "{tmp}/other.pt"], "none of the model's 14 tensors is in the file by name and shape"),
         (["--init-from", "{tmp}", "--resume", "{tmp}/x.pt"], "--init-from starts a new run and --resume"),
+        (["--init-from", "{tmp}/runs"], "is a folder with no last.pt, last.dcp or .metadata (it holds the runs a, b"),
         (["--init-optimizer"], "--init-optimizer acts with --init-from PATH"),
         (["--init-from", "{tmp}/other.pt", "--init-exclude", "("], "--init-exclude '(' is not a regular expression"),
         (["--init-from", "{tmp}/other.pt", "--init-from-ema"], "holds no EMA weights"),
@@ -141,6 +142,9 @@ def test_init_from_with_resume_auto_resumes_the_run_s_own_checkpoint_once_it_has
 )
 def test_bad_init_input_is_one_line_and_writes_nothing(tmp_path, args, said):
     (tmp_path / "junk.pt").write_bytes(b"not a pickle at all")
+    for run in ("a", "b"):  # a runs folder given for a run's
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "last.pt").touch()
     torch.save({"step": 3}, tmp_path / "empty.pt")
     torch.save({"fc.weight": torch.zeros(3, 3), "features.0.weight": torch.zeros(2)}, tmp_path / "other.pt")
     torch.save(models.build("toy", 1, 10).state_dict(), tmp_path / "model.pt")

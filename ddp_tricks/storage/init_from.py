@@ -61,9 +61,11 @@ def _read(path: str | Path) -> Source:
         for name in (LAST["ddp"], LAST["fsdp"]):
             if (path / name).exists():
                 return _read(path / name)
+        runs = sorted(p.name for p in path.iterdir() if any((p / name).exists() for name in LAST.values()))
+        hint = f" (it holds the runs {', '.join(runs[:3])}{' ...' if len(runs) > 3 else ''}: give one)" if runs else ""
         raise UserError(
-            f"--init-from {str(path)!r} is a folder with no {LAST['ddp']}, {LAST['fsdp']} or .metadata: give a run "
-            "folder, a checkpoint file or a sharded checkpoint folder"
+            f"--init-from {str(path)!r} is a folder with no {LAST['ddp']}, {LAST['fsdp']} or .metadata{hint}: give a "
+            "run folder, a checkpoint file or a sharded checkpoint folder"
         )
     try:
         with warnings.catch_warnings():
