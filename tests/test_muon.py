@@ -127,16 +127,16 @@ def test_muon_flags_act_only_with_muon():
         cli.parse(["--ns-steps", "3"])
 
 
-def _fsdp_muon_steps(rank, world_size):
-    """MuonAdamW on an FSDP2-sharded float64 model, gradients given: the full weights after 4 steps, the all-to-alls
-    of each step and the matrices this rank orthogonalised."""
+def _sharded_muon_steps(mesh=None) -> tuple[list, int, list]:
+    """MuonAdamW on an FSDP2-sharded float64 model (on `mesh`, a DeviceMesh; None: 1-D over every rank), gradients
+    given: the full weights after 4 steps, the all-to-alls of its steps and the matrices this rank orthogonalised."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     net = _net(torch.float64)
     for unit in (net.conv, net.hidden, net.head):
-        fully_shard(unit)
-    fully_shard(net)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     optimizer = optimizers.build(net, "muon", lr=0.02, weight_decay=0.1, head=("head.weight", "head.bias"))
     calls, orthogonalised = [], []
     a2a, newton_schulz = dist.all_to_all_single, muon.newton_schulz
@@ -150,6 +150,11 @@ def _fsdp_muon_steps(rank, world_size):
     finally:
         dist.all_to_all_single, muon.newton_schulz = a2a, newton_schulz
     return [p.full_tensor() for p in net.parameters()], len(calls), orthogonalised
+
+
+def _fsdp_muon_steps(rank, world_size):
+    """On a 1-D mesh: the full weights after 4 steps, the all-to-alls and the matrices this rank orthogonalised."""
+    return _sharded_muon_steps()
 
 
 def _grads(step, model):
@@ -222,29 +227,12 @@ def test_the_language_model_under_muon_ends_the_same_on_1_process_ddp_and_fsdp(t
 
 
 def _hsdp_muon_steps(rank, world_size):
-    """MuonAdamW on a 2 x 2 HSDP mesh (replicas x shards), float64, gradients given: the full weights after 4 steps
-    and the matrices this rank orthogonalised."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
-
+    """On a 2 x 2 HSDP mesh (replicas x shards): the full weights after 4 steps and the matrices this rank
+    orthogonalised."""
     from ddp_tricks.distributed.mesh import Mesh
 
-    grid = Mesh(world_size, 2).build("cpu").device_mesh
-    net = _net(torch.float64)
-    for unit in (net.conv, net.hidden, net.head):
-        fully_shard(unit, mesh=grid)
-    fully_shard(net, mesh=grid)
-    optimizer = optimizers.build(net, "muon", lr=0.02, weight_decay=0.1, head=("head.weight", "head.bias"))
-    orthogonalised, newton_schulz = [], muon.newton_schulz
-    muon.newton_schulz = lambda u, *a, **k: orthogonalised.append(tuple(u.shape)) or newton_schulz(u, *a, **k)
-    try:
-        for step in range(4):
-            for p, g in zip(net.parameters(), _grads(step, net)):
-                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-            optimizer.step()
-    finally:
-        muon.newton_schulz = newton_schulz
-    return [p.full_tensor() for p in net.parameters()], orthogonalised
+    weights, _, orthogonalised = _sharded_muon_steps(Mesh(world_size, 2).build("cpu").device_mesh)
+    return weights, orthogonalised
 
 
 @pytest.mark.slow
