@@ -23,7 +23,7 @@ NAMES = {
     "bare": "bare loop, plain DataLoader",
     "bare-loader": "bare loop on the template's loader",
     "bare-loader-no-buffer-sync": "bare loop on the template's loader, no per-step buffer broadcast",
-    "template": "template (exact epoch loss + accuracy; noise scale at 2 processes)",
+    "template": "template (exact epoch loss + accuracy, a row every 20 steps; noise scale at 2 processes)",
     "template-no-noise": "template, --no-noise-scale",
     EVERY_STEP: "template, --noise-scale-every 1",
     "fabric": "Lightning Fabric",
@@ -149,9 +149,10 @@ def bare_worker(args, template_loader: bool, sync_buffers: bool = True) -> dict:
 
 
 def template_worker(args, noise_scale: bool, every: int | None = None) -> dict | None:
-    """run.py's own stages (check, join, build) and its training loop, epoch after epoch, with the watchdog's heartbeats
-    and the SIGTERM agreement asked after every step (no evaluation between epochs: only the training is timed, as for
-    the peers)."""
+    """run.py's own stages (check, join, build) and its training loop, epoch after epoch, with the watchdog's
+    heartbeats, the SIGTERM agreement asked after every step and the default per-step rows (steps.csv every
+    --log-interval steps: their gradient norm and one all-gather each); no evaluation between epochs: only the
+    training is timed, as for the peers."""
     sys.path.insert(0, str(REPO))
     import run
     from customized_function import same_seeds
@@ -159,7 +160,7 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
     from ddp_tricks.data import loaders
     from ddp_tricks.distributed import heartbeat, launch
     from ddp_tricks.distributed.preemption import Preemption
-    from ddp_tricks.training import loop, preflight
+    from ddp_tricks.training import loop, preflight, step_log
 
     argv = ["--optimizer", "sgd", "-b", str(BATCH), "-l", str(LR), "--lr-scaling", "keep", "--no-progress",
             "-e", str(args.warmup + args.epochs), "-s", str(SEED)]  # fmt: skip
@@ -186,13 +187,16 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
     t = run.build_training(flags, task, model, found, plan, dist)
     train_loader, _ = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
     preemption = Preemption(dist)  # asked after every step, as run.py's checkpoints ask it
+    rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # the default rows, as run.py's
+    rows.open(Path(stacks), 0, **cli.step_sink_options(flags))  # steps.csv (rank 0), every --log-interval steps
     clock = Clock()
     try:
         for epoch in range(1, flags.epochs + 1):
             steps = plan.epoch(epoch, t.rank)
             first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
             clock.tick(len(steps))
-            loop.train_one_epoch(t, steps, train_loader, first_step, None, lambda t: preemption.agreed())
+            with rows.epoch(epoch, len(steps), first_step, t.progress.global_step):
+                loop.train_one_epoch(t, steps, train_loader, first_step, rows, lambda t: preemption.agreed())
         clock.tick(len(steps))
     finally:
         launch.cleanup()

@@ -7,7 +7,8 @@ weight decay 5e-4, the same LR) and precision (float32), trained through
     bare-loader-no-buffer-sync   (2 processes) that loop with DDP's per-forward broadcast of rank 0's buffers off,
                    as the template sets it for a model whose only buffers are BatchNorm's: the template's own setting
     template       the template as run.py builds it, with its defaults: exact epoch loss and accuracy (sums reduced
-                   once per epoch), its warmup schedule, and at 2 processes the gradient noise scale
+                   once per epoch), its warmup schedule, a row in steps.csv every 20 steps, the SIGTERM agreement,
+                   and at 2 processes the gradient noise scale
     template-no-noise   the template with --no-noise-scale (2 processes only: the noise scale's cost)
     template-noise-every-step   (--loops only) the template with --noise-scale-every 1: the old default's cost
     fabric         Lightning Fabric: fabric.setup, fabric.backward, the user's own loop

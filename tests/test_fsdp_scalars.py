@@ -108,7 +108,7 @@ def test_run_py_trains_a_0d_parameter_under_fsdp_like_one_process_and_resumes_it
     model's BatchNorm takes per-rank statistics, so DDP, not one process, is the reference), and a run stopped after
     epoch 1 resumes from its sharded checkpoint (the temperature, its momentum and its EMA whole in it) to the same
     rows, bit for bit.
-    Broken on purpose: skipping reduce_replicated() in the loop (training/loop.py) fails it."""
+    Broken on purpose: skipping the replicated reduce in ByWrapper.finish (training/gradients.py) fails it."""
     runs = str(tmp_path)
     ddp = launch([*TEMPERATURE, "--runs-dir", runs, "-n", "ddp", "-b", "16", "-e", "2"])
     assert ddp.returncode == 0, ddp.stderr[-3000:]

@@ -221,7 +221,7 @@ def test_the_units_per_sample_of_the_epoch_done_come_back_between_epochs():
 
     meter = EpochMeter(Layout.scalars([]), torch.device("cpu"))
     meter.start()
-    meter.add(torch.tensor([2.0], dtype=torch.float64), torch.tensor(90.0, dtype=torch.float64), 3)
+    meter.add(torch.tensor(2.0 / 90.0, dtype=torch.float64), {}, torch.tensor(90.0, dtype=torch.float64), 3)
     meter.close()
     again = EpochMeter(Layout.scalars([]), torch.device("cpu"))
     again.load_state_dict(meter.state_dict())

@@ -10,7 +10,7 @@ get zero gradients in the reduce-scatter, so ranks that use different experts re
 precision is FSDP's policy: parameters gathered in the --amp dtype, gradients reduced in float32, BatchNorm layers
 kept in float32 as their own units (their running statistics are float32). A 0-d parameter (CLIP's learnable
 temperature; fully_shard refuses to shard one) is kept whole on every rank, outside FSDP (`ignored_params`), and
-`reduce_replicated` averages its gradient over the ranks after the step's last backward, as DDP would.
+`replicated_of(model).reduce()` averages its gradient over the ranks after the step's last backward, as DDP would.
 """
 
 from __future__ import annotations
@@ -273,19 +273,17 @@ def mesh_of(model: nn.Module) -> Mesh | None:
     return getattr(getattr(model, "_orig_mod", model), MESH, None)
 
 
-def reduce_replicated(model: nn.Module) -> None:
-    """After the step's last backward, on every rank: the gradients of the 0-d parameters that `shard` kept whole,
-    averaged over the ranks (nothing for a model without any, or not sharded)."""
-    replicated = getattr(getattr(model, "_orig_mod", model), REPLICATED, None)
-    if replicated is not None:
-        replicated.reduce()
+def replicated_of(model: nn.Module):
+    """The 0-d parameters that `shard` kept whole (their `reduce()` averages their gradients over the ranks, after
+    the step's last backward); None for a model without any, or not sharded. Asked once, when the run is built."""
+    return getattr(getattr(model, "_orig_mod", model), REPLICATED, None)
 
 
 def shard(model: nn.Module, units: list[Unit], dtype: torch.dtype | None = None, mesh: Mesh | None = None) -> nn.Module:
     """`fully_shard` the units, the smallest first and each once (a list of modules as one unit), then the
     model, on `mesh` (built; a 2-D one: HSDP, replicas x shards; None: a 1-D mesh over every rank), which the model
     keeps (`mesh_of`). `dtype`: the --amp dtype parameters are gathered in (None: as they are). The 0-d parameters
-    stay whole on every rank (`ignored_params`: not sharded, not reduced by FSDP; see `reduce_replicated`), rank 0's
+    stay whole on every rank (`ignored_params`: not sharded, not reduced by FSDP; see `replicated_of`), rank 0's
     values given to every rank."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_tricks.distributed.fsdp import reduce_replicated
+from ddp_tricks.distributed.fsdp import replicated_of
 from ddp_tricks.distributed.sparse import SparseGradients
 from ddp_tricks.distributed.trace_reduction import TraceReduction
 from ddp_tricks.training import noise as noise_scale
@@ -26,6 +26,7 @@ class ByWrapper:
 
     def __init__(self, model: nn.Module, params: list[torch.Tensor], sparse: SparseGradients | None = None, noise=None):
         self.model, self.params, self.sparse, self.noise = model, params, sparse, noise
+        self.replicated = replicated_of(model)  # --strategy fsdp: the 0-d parameters kept whole (None: none)
 
     def start_step(self, global_step: int) -> None:
         """Before step `global_step` + 1: whether the noise scale measures it (every --noise-scale-every steps)."""
@@ -39,7 +40,8 @@ class ByWrapper:
         """After the step's last backward (`samples` in the step, `units` over every rank). AdaScale's gain: 1."""
         if self.sparse is not None:
             self.sparse.reduce()
-        reduce_replicated(self.model)  # --strategy fsdp: the 0-d parameters kept whole, their gradients averaged
+        if self.replicated is not None:
+            self.replicated.reduce()  # their gradients averaged over the ranks
         if self.noise is not None and self.noise.measuring:
             noise_scale.measure(self.noise, self.params, units, loss_scale)
         return 1.0

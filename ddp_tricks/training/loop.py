@@ -190,8 +190,10 @@ def step_gradients(t: Training, step: Step, batches, units_of, accumulate, skip)
     with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
         for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
             with torch.no_grad():
-                row = batch_sums(t, outputs, targets, loss, units)
-                t.meter.add(row if skip is None else skip.keep(row), units, samples)
+                sums = t.task.metric_sums(detached(outputs), targets) if t.sums_layout.sums else {}
+                if skip is not None:
+                    loss, sums = skip.keep(loss, sums)
+                t.meter.add(loss, sums, units, samples)
     return step.batch if units_of is None else t.meter.step_units
 
 
@@ -203,10 +205,11 @@ class Skips:
         self.device = device
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
 
-    def keep(self, row: torch.Tensor) -> torch.Tensor:
-        bad = ~torch.isfinite(row[0])
+    def keep(self, loss: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's loss and metric sums, or zeros where its loss is not finite (the step is then skipped)."""
+        bad = ~torch.isfinite(loss)
         self.nonfinite |= bad
-        return torch.where(bad, torch.zeros_like(row), row)
+        return torch.where(bad, 0.0, loss), {name: torch.where(bad, 0, value) for name, value in sums.items()}
 
     def now(self, t: Training) -> bool:
         if not any_rank(self.nonfinite, self.device):

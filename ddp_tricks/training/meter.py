@@ -75,13 +75,30 @@ class EpochMeter:
             row = torch.zeros(self.width + 2, dtype=torch.float64)
         row = row.cpu()
         self.sums = row[: self.width].to(self.device, copy=True)
+        self._loss, self._metrics = self.sums[0], self._views(self.sums)
         self.units = float(row[self.width])
         self.samples = self.samples_at_start = int(row[self.width + 1])
         self.open = True
 
-    def add(self, row: torch.Tensor, units, samples: int) -> None:
-        """A micro-batch's [loss x units, *metric sums] (device), its units and its samples."""
-        self.sums += row
+    def _views(self, sums: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Each metric sum's place in `sums`, as a view of its shape: a micro-batch's adds there in place."""
+        views, at = [], 1
+        for name, shape in self.layout.sums:
+            size = math.prod(shape)
+            views.append((name, sums[at : at + size].view(shape)))
+            at += size
+        return views
+
+    def add(self, loss: torch.Tensor, metric_sums: dict, units, samples: int) -> None:
+        """A micro-batch's mean loss (over its `units`: a number, or a device tensor), the task's metric sums (device
+        tensors, by name) and its samples: added in place into the float64 sums, one operation each (no row built,
+        no host sync)."""
+        if isinstance(units, torch.Tensor):
+            self._loss.add_(loss * units)
+        else:
+            self._loss.add_(loss, alpha=units)
+        for name, view in self._metrics:
+            view.add_(metric_sums[name])
         self.units += units
         self.samples += samples
 
