@@ -7,6 +7,14 @@ device (the model's own ceiling: no data path at all). The last line is one JSON
     python bench/e2e.py --profile     # the torch operators each loop runs per step, and what the template adds
     python bench/e2e.py --data imagenet --model resnet50 --amp bf16 --channels-last --batch-size 128 \
         --optimizer lars --device cuda        # synthetic ImageNet-shaped data (3x224x224, 1000 classes)
+    python bench/e2e.py --processes 2         # the template as run.py builds it, against a bare DDP loop
+
+With --processes N (1 or more, under torchrun, gloo on the CPU): the template as run.py builds it with its defaults
+(the toy CNN on the digits x4, SGD, batch 32 per process; a row in steps.csv every 20 steps, the SIGTERM agreement,
+the watchdog's heartbeats, and at 2+ processes the gradient noise scale) against a bare loop (forward, backward,
+step) on the same loader, under DDP with the template's settings (no per-forward broadcast of the buffers, gradients
+as views of DDP's buckets), both in the same N processes, epochs interleaved; `--profile` then adds cProfile's
+per-step cost of the template's own functions.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from ddp_tricks.training.loop import train_one_epoch
 from ddp_tricks.training.precision import DTYPES, Precision
 from ddp_tricks.training.state import Training
 from lars import LARS
+
+BATCH_OF_RUN = 32  # --processes: the batch per process of the run-built template (bench/peer_loops.py's)
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -92,6 +102,100 @@ def profile_ops(loops: dict, the_plan, loader, steps: list) -> None:
             print(f"  {key:28s} +{count:4.1f}  {micros:+6.1f} us")
 
 
+def paired(args) -> None:
+    """--processes N, in each of the N processes: the run-built template and a bare DDP loop, epochs interleaved
+    (each started together on every rank); rank 0 prints the ratios and, with --profile, cProfile's per-step
+    cumulative time of the template's own functions."""
+    import cProfile
+
+    import torch.distributed as tdist
+    from peer_loops import built_template, sgd, toy_model
+
+    from ddp_tricks.distributed import launch
+    from ddp_tricks.distributed.wrap import buffer_sync
+
+    rounds = args.repeats + 1  # the first warms up
+    t, plan, loader, template_epoch, dist = built_template(rounds)
+    model = toy_model()
+    if dist.world_size > 1:  # the template's settings: no per-forward broadcast (BatchNorm's buffers only), and the
+        # gradients as views of DDP's buckets (no copy in and out of them)
+        model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, **buffer_sync(False))
+    optimizer = sgd(model.parameters())
+
+    def bare(number: int) -> int:
+        steps = plan.epoch(number, dist.rank)
+        loader.batch_sampler.start(steps)
+        bare_epoch(model, optimizer, loader, torch.device("cpu"), None, None)
+        return len(steps)
+
+    profiler = cProfile.Profile() if args.profile and dist.rank == 0 else None
+    seconds, steps = {"template": [], "bare": []}, 0
+    for number in range(1, rounds + 1):
+        for name, fn in (("template", template_epoch), ("bare", bare))[:: 1 if number % 2 else -1]:
+            if dist.world_size > 1:
+                tdist.barrier()
+            start = time.perf_counter()
+            if profiler is not None and name == "template" and number > 1:
+                steps += profiler.runcall(fn, number)
+            else:
+                fn(number)
+            if number > 1:
+                seconds[name].append(time.perf_counter() - start)
+    if dist.rank == 0:
+        report_paired(args, seconds, plan.steps_per_epoch, dist.world_size, profiler, steps)
+    launch.cleanup()
+
+
+def report_paired(args, seconds: dict, steps_per_epoch: int, world: int, profiler, profiled_steps: int) -> None:
+    ratios = sorted(a / b for a, b in zip(seconds["template"], seconds["bare"]))
+    low, ratio, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    template_ms, bare_ms = (1e3 * statistics.median(seconds[k]) / steps_per_epoch for k in ("template", "bare"))
+    print(f"torch {torch.__version__}, {world} process(es), {torch.get_num_threads()} thread(s) each, toy CNN, batch "
+          f"{BATCH_OF_RUN} per process, {steps_per_epoch} steps per epoch, {args.repeats} epochs of each")  # fmt: skip
+    print(f"  bare DDP loop  {bare_ms:.3f} ms/step")
+    print(f"  template       {template_ms:.3f} ms/step (as run.py builds it, its default rows and agreement)")
+    print(f"  template / bare time per step: {ratio:.3f} (median of the rounds' ratios; quartiles {low:.3f}-"
+          f"{high:.3f})")  # fmt: skip
+    if profiler is not None:
+        import io
+        import pstats
+
+        stats = pstats.Stats(profiler, stream=io.StringIO())
+        print(f"  the template's own functions, cumulative microseconds per step (cProfile, {profiled_steps} steps; "
+              "inflated by the profiler: compare them with one another):")  # fmt: skip
+        rows = [(cum, calls, f"{func[0].split('/ddp_tricks/')[-1].split('/main/')[-1]}:{func[2]}")
+                for func, (_, calls, _, cum, _) in stats.stats.items()
+                if "ddp_tricks" in func[0] or func[0].endswith(("task.py", "lars.py"))]  # fmt: skip
+        for cum, calls, name in sorted(rows, reverse=True)[:25]:
+            print(f"    {1e6 * cum / profiled_steps:8.1f} us  {calls / profiled_steps:5.2f} calls  {name}")
+    result = {"processes": world, "template_vs_bare": round(ratio, 3)}
+    result["template_vs_bare_quartiles"] = [round(low, 3), round(high, 3)]
+    result |= {"template_ms_per_step": round(template_ms, 4), "bare_ms_per_step": round(bare_ms, 4)}
+    print(json.dumps(result))
+
+
+def launch_paired(args) -> None:
+    """Run `paired` in --processes N processes under torchrun; print rank 0's lines."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    threads = max(1, (os.cpu_count() or 1) // args.processes)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
+               str(here), "--rank-worker", "--processes", str(args.processes),
+               "--repeats", str(args.repeats)]  # fmt: skip
+    command += ["--profile"] if args.profile else []
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+    paths = [str(here.parent.parent), str(here.parent), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    done = subprocess.run(command, cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=1800)
+    print(done.stdout, end="")
+    if done.returncode != 0 and not done.stdout.rstrip().endswith("}"):
+        sys.exit(f"error: the {args.processes}-process run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -112,7 +216,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048, help="--data imagenet: images per epoch")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--profile", action="store_true", help="count the operators per step of each loop instead")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="N: the run-built template against a bare DDP loop in N processes (default 0: in this "
+                        "process, a Training built by hand)")  # fmt: skip
+    parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rank_worker:
+        return paired(args)
+    if args.processes:
+        return launch_paired(args)
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -148,11 +148,11 @@ def bare_worker(args, template_loader: bool, sync_buffers: bool = True) -> dict:
     return clock.result(args.warmup, world) if rank == 0 else None
 
 
-def template_worker(args, noise_scale: bool, every: int | None = None) -> dict | None:
-    """run.py's own stages (check, join, build) and its training loop, epoch after epoch, with the watchdog's
-    heartbeats, the SIGTERM agreement asked after every step and the default per-step rows (steps.csv every
-    --log-interval steps: their gradient norm and one all-gather each); no evaluation between epochs: only the
-    training is timed, as for the peers."""
+def built_template(epochs: int, noise_scale: bool = True, every: int | None = None):
+    """The template as run.py builds it (check, join, build), with the watchdog's heartbeats, the SIGTERM agreement and
+    the default per-step rows (steps.csv every --log-interval steps: their gradient norm and one all-gather each):
+    (t, its plan, its training loader, `epoch(number)` that trains one epoch as run.py's loop does, its DistInfo).
+    No evaluation between epochs: only the training is timed."""
     sys.path.insert(0, str(REPO))
     import run
     from customized_function import same_seeds
@@ -163,7 +163,7 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
     from ddp_tricks.training import loop, preflight, step_log
 
     argv = ["--optimizer", "sgd", "-b", str(BATCH), "-l", str(LR), "--lr-scaling", "keep", "--no-progress",
-            "-e", str(args.warmup + args.epochs), "-s", str(SEED)]  # fmt: skip
+            "-e", str(epochs), "-s", str(SEED)]  # fmt: skip
     argv += [] if noise_scale else ["--no-noise-scale"]
     argv += [] if every is None else ["--noise-scale-every", str(every)]
     flags, task_class = cli.parse(argv)
@@ -181,23 +181,37 @@ def template_worker(args, noise_scale: bool, every: int | None = None) -> dict |
         setup,
         lambda equal: run.make_plan(flags, len(train_set), process.world_size, None, equal),
     )
-    stacks = tempfile.mkdtemp(prefix="peers-stacks-")  # the watchdog's heartbeats, as run.py runs them
-    heartbeat.configure(stacks, process.world_size, **cli.hang_options(flags))
+    folder = tempfile.mkdtemp(prefix="peers-run-")  # the watchdog's heartbeats and steps.csv, as run.py writes them
+    heartbeat.configure(folder, process.world_size, **cli.hang_options(flags))
     dist = launch.setup(process, flags.device, flags.backend, flags.dist_timeout, False, flags.sigterm_grace)
     t = run.build_training(flags, task, model, found, plan, dist)
     train_loader, _ = loaders.both(train_set, val_set, dist, found.collate, **cli.loader_options(flags))
     preemption = Preemption(dist)  # asked after every step, as run.py's checkpoints ask it
     rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # the default rows, as run.py's
-    rows.open(Path(stacks), 0, **cli.step_sink_options(flags))  # steps.csv (rank 0), every --log-interval steps
+    rows.open(Path(folder), 0, **cli.step_sink_options(flags))  # steps.csv (rank 0), every --log-interval steps
+
+    def epoch(number: int) -> int:
+        steps = plan.epoch(number, t.rank)
+        first_step = loop.start_epoch(t, number, train_loader, steps, flags.seed)
+        with rows.epoch(number, len(steps), first_step, t.progress.global_step):
+            loop.train_one_epoch(t, steps, train_loader, first_step, rows, lambda t: preemption.agreed())
+        return len(steps)
+
+    return t, plan, train_loader, epoch, dist
+
+
+def template_worker(args, noise_scale: bool, every: int | None = None) -> dict | None:
+    """The template (`built_template`), epoch after epoch."""
+    from ddp_tricks.distributed import launch
+
+    _, plan, _, epoch, dist = built_template(args.warmup + args.epochs, noise_scale, every)
     clock = Clock()
     try:
-        for epoch in range(1, flags.epochs + 1):
-            steps = plan.epoch(epoch, t.rank)
-            first_step = loop.start_epoch(t, epoch, train_loader, steps, flags.seed)
-            clock.tick(len(steps))
-            with rows.epoch(epoch, len(steps), first_step, t.progress.global_step):
-                loop.train_one_epoch(t, steps, train_loader, first_step, rows, lambda t: preemption.agreed())
-        clock.tick(len(steps))
+        steps = 0
+        for number in range(1, args.warmup + args.epochs + 1):
+            clock.tick(steps)
+            steps = epoch(number)
+        clock.tick(steps)
     finally:
         launch.cleanup()
     return clock.result(args.warmup, dist.world_size) if dist.rank == 0 else None
