@@ -115,7 +115,7 @@ def paired(args) -> None:
     from ddp_tricks.distributed.wrap import buffer_sync
 
     rounds = args.repeats + 1  # the first warms up
-    t, plan, loader, template_epoch, dist = built_template(rounds)
+    t, plan, loader, template_epoch, dist = built_template(rounds, extra=args.flags.split())
     model = toy_model()
     if dist.world_size > 1:  # the template's settings: no per-forward broadcast (BatchNorm's buffers only), and the
         # gradients as views of DDP's buckets (no copy in and out of them)
@@ -185,7 +185,7 @@ def launch_paired(args) -> None:
     threads = max(1, (os.cpu_count() or 1) // args.processes)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
                str(here), "--rank-worker", "--processes", str(args.processes),
-               "--repeats", str(args.repeats)]  # fmt: skip
+               "--repeats", str(args.repeats), f"--flags={args.flags}"]  # fmt: skip
     command += ["--profile"] if args.profile else []
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     paths = [str(here.parent.parent), str(here.parent), env.get("PYTHONPATH")]
@@ -219,6 +219,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=0,
                         help="N: the run-built template against a bare DDP loop in N processes (default 0: in this "
                         "process, a Training built by hand)")  # fmt: skip
+    parser.add_argument("--flags", default="", help="--processes: more run.py flags for the template, in one string "
+                        "(e.g. '--log-interval 0', '--no-noise-scale'; default: none)")  # fmt: skip
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_worker:

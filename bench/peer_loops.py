@@ -148,11 +148,11 @@ def bare_worker(args, template_loader: bool, sync_buffers: bool = True) -> dict:
     return clock.result(args.warmup, world) if rank == 0 else None
 
 
-def built_template(epochs: int, noise_scale: bool = True, every: int | None = None):
+def built_template(epochs: int, noise_scale: bool = True, every: int | None = None, extra=()):
     """The template as run.py builds it (check, join, build), with the watchdog's heartbeats, the SIGTERM agreement and
     the default per-step rows (steps.csv every --log-interval steps: their gradient norm and one all-gather each):
     (t, its plan, its training loader, `epoch(number)` that trains one epoch as run.py's loop does, its DistInfo).
-    No evaluation between epochs: only the training is timed."""
+    `extra`: more run.py flags (e.g. --log-interval 0). No evaluation between epochs: only the training is timed."""
     sys.path.insert(0, str(REPO))
     import run
     from customized_function import same_seeds
@@ -166,6 +166,7 @@ def built_template(epochs: int, noise_scale: bool = True, every: int | None = No
             "-e", str(epochs), "-s", str(SEED)]  # fmt: skip
     argv += [] if noise_scale else ["--no-noise-scale"]
     argv += [] if every is None else ["--noise-scale-every", str(every)]
+    argv += list(extra)
     flags, task_class = cli.parse(argv)
     task = task_class(flags)
     process = launch.detect()

@@ -28,7 +28,7 @@ _alike = False  # inside alike_rows(): every rank holds the same rows
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum a tensor across ranks in place (a no-op for one process) and return it."""
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
@@ -87,14 +87,14 @@ def any_rank(flag: bool | torch.Tensor, device: torch.device, group=None) -> boo
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
     """Give every rank rank `src`'s buffers (BatchNorm running statistics), so all hold the same model."""
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         for buffer in module.buffers():
             dist.broadcast(buffer, src)
 
 
 def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's copy of a same-shaped tensor, stacked by rank (just the tensor, unsqueezed, alone)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return tensor.unsqueeze(0)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
@@ -144,7 +144,7 @@ def _row_counts(rows: int, device: torch.device) -> list[int]:
 
 def gather_objects(value) -> list:
     """Every rank's picklable value, in rank order (only for small values, off the hot path)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return [value]
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -159,7 +159,9 @@ def require_same(value, what: str) -> None:
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether there are other ranks: a process group of one (torchrun --nproc_per_node=1, or the group a single
+    process makes for FSDP) is one process, every collective here the identity, and skipped."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
