@@ -131,16 +131,20 @@ def test_a_plain_step_makes_no_host_sync(amp):
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
 def test_a_whole_log_interval_window_makes_no_host_sync_but_at_its_rows(amp):
     """Two windows of --log-interval 5 with the run's step log (training/step_log.py), its non-finite check included:
-    only steps 5 and 10 (rows) read the device, once; the others none (fp16: GradScaler's own read). Broken on
-    purpose: the loop's `if due:` before the row as `if True:` fails it, and so does a non-finite check of its own."""
+    the rows of steps 1 and 5 are read once each, a step later (steps 2 and 6: their all-gather runs during that
+    step), and the last one (step 10) at the epoch's end; the other steps read nothing (fp16: GradScaler's own read).
+    Broken on purpose: the loop's `if due:` before the row as `if True:` fails it, and so does a non-finite check of
+    its own."""
     scaler = ["item"] if amp == "fp16" else []
     log = StepLog(5, torch.device("cpu"))
     t = toy(amp=amp)
     steps = syncs_per_step(t, log=log, count=10)  # steps 2..10
     for step, syncs in enumerate(steps, start=2):
-        if step in (5, 10):
+        if step in (2, 6):
             # the row's one read, which carries the non-finite check (without fp16's scaler) and the empty steps' count
             assert syncs.count("tolist") == 1 and "item" not in syncs[len(scaler) :], (step, syncs)
+        elif step in (5, 10):  # a row starts: the host's numbers (times, counts) copied to the device, nothing read
+            assert "tolist" not in syncs and "item" not in syncs[len(scaler) :], (step, syncs)
         else:
             assert syncs == scaler, (step, syncs)
 

@@ -101,6 +101,29 @@ def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def gather_from_ranks_later(tensor: torch.Tensor):
+    """gather_from_ranks, started now without waiting (every rank calls it at the same point): returns a function
+    that waits for it and gives the stack. The collective runs while the caller goes on (the next step's forward);
+    `tensor` must not change until then."""
+    if not _distributed():
+        return tensor.unsqueeze(0).clone
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    work = dist.all_gather(parts, tensor.contiguous(), async_op=True)
+    return _Waiting(work, parts)
+
+
+class _Waiting:
+    """An all-gather started: calling it waits for it and gives the ranks' tensors, stacked."""
+
+    def __init__(self, work, parts: list[torch.Tensor]):
+        self.work, self.parts = work, parts
+
+    @waits_for("all_gather")
+    def __call__(self) -> torch.Tensor:
+        self.work.wait()
+        return torch.stack(self.parts)
+
+
 @waits_for("all_gather")
 def gather_rows(tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
     """Every rank's rows of `tensor`, concatenated along the first dimension in rank order, without gradients (the

@@ -12,7 +12,7 @@ from ddp_tricks.distributed.stacks import waits_for
 
 _LIVE: list[Preemption] = []
 AGREE_SECONDS = 0.1  # about how often the ranks agree on a stop
-MOST_STEPS = 32  # and at most how many steps apart (each agreement costs the host about 0.1-0.3 ms: bench/peers.py)
+MOST_STEPS = 8  # and at most how many steps apart
 
 
 def close_all() -> None:

@@ -175,10 +175,13 @@ def _train_steps(t: Training, steps: list[Step], loader, first_step: int, log: S
             if after_each:
                 after_optimizer_step(t, run_progress(t.progress.epoch, t.epochs, done, len(steps)))
         t.progress.step_in_epoch = done
+        log.settle()  # the previous step's row, its gather done during this step: read, checked, written
         if due:
-            log.write(t)  # its one gather checks the loss and the units too; before the checkpoint below
+            log.write(t)  # its one gather checks the loss and the units too, started; settled at the next step
         if after_step is not None and after_step(t):
+            log.settle()
             return None
+    log.settle()
     return epoch_metrics(t, len(steps), time.perf_counter() - start, t.progress.skipped_steps - skipped_before)
 
 

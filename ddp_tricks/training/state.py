@@ -244,9 +244,10 @@ class Training:
             bad = weights_bad if bad is None else bad | weights_bad
         return None if bad is None else bad.reshape(1).to(torch.float64)
 
-    def raise_if_nonfinite(self, check_weights: bool = False, flags: list[float] | None = None) -> None:
+    def raise_if_nonfinite(self, check_weights: bool = False, flags: list[float] | None = None, step=None) -> None:
         """Stop every rank together when any rank's epoch loss has become non-finite (one small collective, or none
-        when `flags`, every rank's nonfinite_flag(), came with another: a step row's).
+        when `flags`, every rank's nonfinite_flag(), came with another: a step row's, read a step later: `step`, the
+        step they were taken at).
 
         Called at rows' steps, at the end of the epoch, and (with `check_weights`) before every checkpoint, where
         non-finite weights or buffers count too: a finite loss can still take a step to infinite weights, and those
@@ -260,7 +261,7 @@ class Training:
                 return
             flags = gather_to_host(bad).flatten().tolist()
         if any(flags):
-            raise NonFiniteLoss(self.progress.epoch, self.progress.global_step, flags.index(1.0))
+            raise NonFiniteLoss(self.progress.epoch, step or self.progress.global_step, flags.index(1.0))
 
     def header(self) -> dict:
         """What every reader of a checkpoint looks at first: where the run stands, the optimizer it was trained
