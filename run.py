@@ -220,7 +220,7 @@ def build_training(flags, task, model, found: preflight.Findings, plan: planning
         model, optimizer = apex_amp.initialize(model, optimizer, opt_level="O1")  # before DDP
     sparse = None
     if not plan.manual_reduction and flags.strategy == "ddp":
-        if found.sparse and dist.enabled:  # the sparse tables' gradients: averaged apart from DDP's reducer
+        if found.sparse and dist.world_size > 1:  # the sparse tables' gradients: averaged apart from DDP's reducer
             sparse = SparseGradients(model, found.sparse, dist.world_size)
         model = wrap.wrap(
             model,

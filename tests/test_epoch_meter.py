@@ -71,3 +71,20 @@ def test_a_summed_state_with_a_shape_is_added_where_it_belongs():
     result, _, correct, targets = _epoch(PerClass(), ("acc", "by_class"), shapes, accum_steps=1)
     assert result["train_acc"] == correct.sum().item() / len(correct)
     assert result["train_class3"] == correct[targets == 3].sum().item()
+
+
+def test_a_summed_state_of_another_size_raises_instead_of_broadcasting():
+    """A per-class count of 3 given as one element (a bincount without minlength on a batch of class 0 alone) raises;
+    a loss of shape (1,) and a count of shape (1, 3) are taken as their layout's. Broken on purpose: EpochMeter.add
+    adding the value as it is (no reshape to the layout's shape) broadcasts the one element over the three classes,
+    silently."""
+    from ddp_tricks.training.meter import EpochMeter
+    from ddp_tricks.training.metric_states import Layout
+
+    meter = EpochMeter(Layout.scalars(["acc", "by_class"], {"by_class": (3,)}), torch.device("cpu"))
+    meter.start()
+    meter.add(torch.tensor(0.5), {"acc": torch.tensor(2), "by_class": torch.tensor([1, 0, 1])}, 4, 4)
+    meter.add(torch.tensor([0.25]), {"acc": torch.tensor(1), "by_class": torch.tensor([[0, 1, 0]])}, 4, 4)
+    assert meter.sums.tolist() == [0.5 * 4 + 0.25 * 4, 3.0, 1.0, 1.0, 1.0]
+    with pytest.raises(RuntimeError):
+        meter.add(torch.tensor(0.5), {"acc": torch.tensor(1), "by_class": torch.tensor([1])}, 4, 4)

@@ -203,3 +203,20 @@ def test_the_lr_column_is_the_lr_each_step_applied(tmp_path):
     assert lrs[0] == 0.05  # the schedule's at the trace's first batch, the run's reference
     for batch, lr in zip(batches, lrs):
         assert lr == pytest.approx(0.05 * batch / batches[0], rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_non_finite_loss_stops_the_run_before_a_step_evaluation_of_its_weights(tmp_path):
+    """An LR that sends the loss to NaN, a row and an evaluation at every step: every rank stops with the non-finite
+    loss (exit 3) at the step whose row finds it, before that step's evaluation, so metrics.csv has no row of that
+    step (a row's check is read a step after the row; an evaluation first reads the row under way). Broken on
+    purpose: StepEvaluations without its rows.settle() evaluates first and writes the found step's row."""
+    args = ["--base-lr", "1e6", "-e", "1", "--eval-every-steps", "1", "--log-interval", "1", "--no-progress",
+            "-n", "nan", "--runs-dir", str(tmp_path)]  # fmt: skip
+    result = launch(args, nproc=2, stop_others=False)
+    assert result.exitcodes == [3, 3], result.stderr[-3000:]
+    line = next(line for line in result.stderr.splitlines() if line.startswith("error: non-finite loss or weights"))
+    bad_step = int(line.split("step ")[1].split(",")[0])
+    rows = rows_of(tmp_path / "nan" / "metrics.csv") if (tmp_path / "nan" / "metrics.csv").exists() else []
+    assert rows and all(int(r["step"]) < bad_step for r in rows), (bad_step, [r["step"] for r in rows])

@@ -140,8 +140,9 @@ def train_one_epoch(
     The loader yields this rank's micro-batches of those steps in order. A resumed epoch continues the running sums
     its checkpoint kept (the epoch's meter). `after_step(t)` runs after every optimizer step
     (`t.progress.step_in_epoch` steps done); when it returns True the epoch stops there and None is returned. `log`
-    (training/step_log.py's StepLog; None: no rows) writes a row at the steps it says are due, the only steps that
-    read the device: the row's one gather carries the loss's non-finite check and the empty steps' count.
+    (training/step_log.py's StepLog; None: no rows) starts a row at the steps it says are due and reads it at the
+    next step's end, the only reads of the device: the row's one gather carries the loss's non-finite check and the
+    empty steps' count.
     """
     try:
         return _train_steps(t, steps, loader, first_step, log or StepLog(0, t.device), after_step)

@@ -93,12 +93,16 @@ class EpochMeter:
         """A micro-batch's mean loss (over its `units`: a number, or a device tensor), the task's metric sums (device
         tensors, by name) and its samples: added in place into the float64 sums, one operation each (no row built,
         no host sync)."""
+        loss = loss.reshape(()) if loss.dim() else loss  # a loss of shape (1,)
         if isinstance(units, torch.Tensor):
             self._loss.add_(loss * units)
         else:
             self._loss.add_(loss, alpha=units)
         for name, view in self._metrics:
-            view.add_(metric_sums[name])
+            value = metric_sums[name]
+            # a sum of another shape is reshaped to the layout's (a view: no copy), never broadcast into it: a
+            # wrong number of elements raises
+            view.add_(value if value.shape == view.shape else value.reshape(view.shape))
         self.units += units
         self.samples += samples
 

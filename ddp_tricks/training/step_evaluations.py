@@ -38,6 +38,7 @@ class StepEvaluations:
     def __call__(self, t: Training) -> bool:
         if self.every and t.progress.global_step % self.every == 0 and t.progress.global_step != self.rows.end_step:
             start = time.perf_counter()
+            self.rows.settle()  # this step's row (its non-finite check) before evaluating its weights
             row = metrics_row(t, self.val_loader)
             improved = t.after_evaluation(row)
             t.model.train()  # the evaluation left the model in eval mode

@@ -203,7 +203,7 @@ class StepLog:
         lrs = p.lrs or tuple(g["lr"] for g in t.optimizer.param_groups)  # the last step's: a trace's factor in it
         at = {"step": p.global_step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "lr": t.lr, "lrs": lrs,
               "steps": max(p.global_step - self._step, 1), "skipped": p.skipped_steps - self._skipped,
-              "checks": bad is not None}  # fmt: skip
+              "checks": bad is not None, "peak_memory_gib": peak_memory_gib(self.device)}  # fmt: skip
         self._pending = (t, packed, gather_from_ranks_later(packed.vector), at)
         self._start_window(t)
 
@@ -254,7 +254,7 @@ class StepLog:
             "tflops": tflops if self.flops_per_sample else math.nan,
             "mfu": tflops / self.peak_tflops if self.peak_tflops and self.flops_per_sample else math.nan,
             "noise_scale": noise[0] / noise[1] if noise and noise[1] > 0 else math.nan,
-            "peak_memory_gib": peak_memory_gib(self.device),
+            "peak_memory_gib": at["peak_memory_gib"],
         }
         for name, values in per_rank.items():
             row |= {f"{name}_min": min(values), f"{name}_median": statistics.median(values), f"{name}_max": max(values)}
