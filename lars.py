@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ddp_tricks.optim.groups import excluded
+from ddp_tricks.no_decay import excluded
 from ddp_tricks.schedules.curves import PolynomialWarmup  # the original LARS project imported it from here
 from ddp_tricks.shards import like, local, shard_group, trust_ratios
 from ddp_tricks.wrapped_optimizer import WrappedOptimizer

@@ -10,6 +10,7 @@ from torch import nn
 
 import lars
 import run
+from ddp_tricks import no_decay
 from ddp_tricks.optim import build as optimizers
 from ddp_tricks.optim import groups
 
@@ -89,7 +90,7 @@ def test_no_weight_decay_keywords_and_a_submodule_s_list_count():
     outer.block, outer.relative_position_bias_table, outer.kept = inner, nn.Parameter(torch.ones(3, 2)), nn.Linear(2, 2)
     outer.no_weight_decay_keywords = lambda: {"relative_position"}
     names = {id(p): name for name, p in outer.named_parameters()}
-    assert sorted(names[i] for i in groups.excluded(outer)) == ["block.table", "kept.bias",
+    assert sorted(names[i] for i in no_decay.excluded(outer)) == ["block.table", "kept.bias",
                                                                 "relative_position_bias_table"]  # fmt: skip
 
 

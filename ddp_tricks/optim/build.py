@@ -12,8 +12,8 @@ import torch
 import lars
 from ddp_tricks.distributed import fsdp
 from ddp_tricks.errors import UserError
+from ddp_tricks.no_decay import excluded, split
 from ddp_tricks.optim import NAMES, muon
-from ddp_tricks.optim.groups import excluded, split
 from lamb import LAMB
 from lars import parameter_groups
 from lookahead import Lookahead
@@ -139,7 +139,7 @@ def task_groups(
     """The optimizer's groups from the task's (by parameter name): each group's parameters, its LR (`lr` x its
     `lr_mult`, which the group keeps for the schedules), its weight decay (`weight_decay` where it names none) and the
     optimizer's own keys it sets ('lars': False, no trust ratio; 'betas', 'eps', 'momentum', ...);
-    with `bn_bias_separately` the parameters the exclusion rule keeps out (groups.excluded: one dimension or fewer,
+    with `bn_bias_separately` the parameters the exclusion rule keeps out (no_decay.excluded: one dimension or fewer,
     norm layers, the model's no_weight_decay() names) in a group of their own (no weight decay, no trust ratio),
     with the same multiplier."""
     by_name = dict(model.named_parameters())
