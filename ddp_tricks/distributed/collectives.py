@@ -94,11 +94,7 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
 
 def gather_from_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's copy of a same-shaped tensor, stacked by rank (just the tensor, unsqueezed, alone)."""
-    if not _distributed():
-        return tensor.unsqueeze(0)
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.stack(parts)
+    return gather_from_ranks_later(tensor)()
 
 
 def gather_from_ranks_later(tensor: torch.Tensor):

@@ -35,7 +35,7 @@ class Preemption:
     def __init__(self, dist_info):
         self.requested = False
         self.group = dist_info.control_group
-        self.enabled = dist_info.enabled and dist_info.world_size > 1  # one process decides alone
+        self.enabled = dist_info.world_size > 1  # one process decides alone
         self.leader = dist_info.rank == 0
         self._pending = None
         self._value = None

@@ -24,7 +24,7 @@ def wrap(model: torch.nn.Module, dist_info, sync_bn: bool = False, apart=(), **d
     --nproc_per_node=1) is not wrapped either: DDP over one rank would add its reducer's copies and a one-rank
     all-reduce to every step (15 % of a step of the built-in model on a CPU: bench/e2e.py --processes 1) and change
     nothing else; SyncBatchNorm over one rank is BatchNorm. Lightning and Accelerate leave one process unwrapped too."""
-    if not dist_info.enabled or dist_info.world_size == 1:
+    if dist_info.world_size == 1:  # one process, with or without a group
         return model
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

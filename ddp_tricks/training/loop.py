@@ -46,10 +46,15 @@ def forward(t: Training, model: nn.Module, inputs, targets):
     return outputs, t.task.loss(outputs, targets)
 
 
+def metric_sums(t: Training, outputs, targets) -> dict:
+    """The task's metric sums of a batch (device tensors, by name), on its detached outputs; {} for a task with none."""
+    return t.task.metric_sums(detached(outputs), targets) if t.sums_layout.sums else {}
+
+
 def batch_sums(t: Training, outputs, targets, loss: torch.Tensor, units) -> torch.Tensor:
     """[loss x units, *the task's metric sums, each flattened] on the device, in the widest dtype among them
     (float32 mostly: a batch's sums are exact there); added into float64 running sums."""
-    sums = t.task.metric_sums(detached(outputs), targets) if t.sums_layout.sums else {}
+    sums = metric_sums(t, outputs, targets)
     return torch.cat([(loss.detach() * units).reshape(1), *t.sums_layout.flat(sums)])  # one op: it promotes dtypes
 
 
@@ -194,7 +199,7 @@ def step_gradients(t: Training, step: Step, batches, units_of, accumulate, skip)
     with training_step(), uneven_rows() if step.uneven else contextlib.nullcontext():
         for outputs, targets, loss, units, samples in accumulate(t, step, batches, units_of):
             with torch.no_grad():
-                sums = t.task.metric_sums(detached(outputs), targets) if t.sums_layout.sums else {}
+                sums = metric_sums(t, outputs, targets)
                 if skip is not None:
                     loss, sums = skip.keep(loss, sums)
                 t.meter.add(loss, sums, units, samples)
