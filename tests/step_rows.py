@@ -1,4 +1,5 @@
-"""A run's steps.csv as the per-step tests read it (test_step_log.py, test_step_runs.py)."""
+"""A run's steps.csv and metrics.csv as the tests read them (test_step_log.py, test_step_runs.py, test_detection.py,
+test_group_of_one.py)."""
 
 from __future__ import annotations
 

@@ -2,12 +2,12 @@
 are a list of dicts, and its evaluation (score(): recall and mAP over the detections gathered from every rank) equals
 one process's on the same weights; its average precision against VOC's all-point definition written out here."""
 
-import csv
 import importlib.util
 
 import pytest
 import torch
 from multiproc import REPO, launch
+from step_rows import rows_of
 
 SMALL = ["--task", "examples/detection.py:Shapes", "--images", "35", "--image-size", "64", "--optimizer", "adamw",
          "-l", "0.001", "--no-progress", "--val-batch-size", "2"]  # fmt: skip
@@ -64,11 +64,6 @@ def test_matching_takes_each_box_once_by_descending_score_and_only_of_its_class(
     assert example.match(detections, truth).tolist() == [False, True, False, True]
 
 
-def _rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_detection_trains_on_2_ranks_and_evaluates_as_one_process_does(tmp_path):
@@ -78,15 +73,15 @@ def test_detection_trains_on_2_ranks_and_evaluates_as_one_process_does(tmp_path)
     flags = [*SMALL, "--runs-dir", str(tmp_path)]
     trained = launch([*flags, "-b", "2", "-e", "2", "-n", "det"], timeout=500)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "val_loss" not in _rows(tmp_path / "det" / "metrics.csv")[0]
-    last = _rows(tmp_path / "det" / "metrics.csv")[-1]
+    assert "val_loss" not in rows_of(tmp_path / "det" / "metrics.csv")[0]
+    last = rows_of(tmp_path / "det" / "metrics.csv")[-1]
     assert float(last["global_batch"]) == pytest.approx(35 / 9)  # 35 images in 9 steps (not the first image's boxes)
     for nproc in (None, 2):  # one process, then 2 ranks: the same checkpoint evaluated again
         again = launch(
             [*flags, "-b", "2", "--eval-only", "--resume", str(tmp_path / "det" / "last.pt"), "-n", "det"], nproc=nproc
         )
         assert again.returncode == 0, again.stderr[-3000:]
-    one, two = _rows(tmp_path / "det" / "eval.csv")
+    one, two = rows_of(tmp_path / "det" / "eval.csv")
     assert float(one["val_recall"]) > 0  # detections to compare
     for column in ("val_recall", "val_map"):
         assert float(two[column]) == pytest.approx(float(one[column]), rel=1e-6, abs=1e-9), column

@@ -4,12 +4,11 @@ the built-in model on a CPU: bench/e2e.py --processes 1), the template's collect
 agreement decides alone. The run trains exactly as `python run.py` does.
 """
 
-import csv
-
 import pytest
 import torch
 import torch.distributed as dist
 from multiproc import launch, run_ranks
+from step_rows import rows_of
 
 from ddp_tricks.distributed import collectives
 from ddp_tricks.distributed.launch import Dist
@@ -59,11 +58,6 @@ def test_a_group_of_one_is_not_wrapped_and_makes_no_collective():
     assert not agreeing and stops
 
 
-def _rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_group_of_one_trains_as_one_process(tmp_path):
@@ -76,7 +70,7 @@ def test_a_group_of_one_trains_as_one_process(tmp_path):
     assert group.returncode == 0, group.stderr[-3000:]
     timed = ("seconds", "per_second", "wait", "tflops", "mfu", "slowest_rank")
     for name in ("metrics.csv", "steps.csv"):
-        a, b = _rows(tmp_path / "plain" / name), _rows(tmp_path / "group" / name)
+        a, b = rows_of(tmp_path / "plain" / name), rows_of(tmp_path / "group" / name)
         assert len(a) == len(b) > 1
         for row_a, row_b in zip(a, b):
             kept = [k for k in row_a if not any(word in k for word in timed)]

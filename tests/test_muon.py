@@ -157,6 +157,17 @@ def _fsdp_muon_steps(rank, world_size):
     return _sharded_muon_steps()
 
 
+def _one_process_muon() -> nn.Module:
+    """The reference of the sharded Muon runs: the float64 net after 4 steps of the same gradients, in one process."""
+    net = _net(torch.float64)
+    optimizer = optimizers.build(net, "muon", lr=0.02, weight_decay=0.1, head=("head.weight", "head.bias"))
+    for step in range(4):
+        for p, g in zip(net.parameters(), _grads(step, net)):
+            p.grad = g
+        optimizer.step()
+    return net
+
+
 def _grads(step, model):
     g = torch.Generator().manual_seed(step)
     return [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in model.parameters()]
@@ -169,12 +180,7 @@ def test_fsdp_muon_orthogonalises_each_matrix_whole_once_and_equals_one_process(
     one rank only: the larger by rank 0, the other by rank 1. Broken on purpose (each rank orthogonalising its own
     slice, as a plain per-tensor optimizer on shards would): the weights 0.012 off."""
     results = run_ranks(_fsdp_muon_steps, 2, timeout=240)
-    net = _net(torch.float64)
-    optimizer = optimizers.build(net, "muon", lr=0.02, weight_decay=0.1, head=("head.weight", "head.bias"))
-    for step in range(4):
-        for p, g in zip(net.parameters(), _grads(step, net)):
-            p.grad = g
-        optimizer.step()
+    net = _one_process_muon()
     for weights, _, _ in results:
         worst = max((a - b.detach()).abs().max().item() for a, b in zip(weights, net.parameters()))
         assert worst <= 1e-5, worst
@@ -245,12 +251,7 @@ def test_hsdp_muon_orthogonalises_each_matrix_once_per_replica_and_equals_one_pr
     among them, and FSDP's 2-way slices no longer line up: rank 2 fails in whole_matrices (a 72-element slice where
     a 4-way one takes 36)."""
     results = run_ranks(_hsdp_muon_steps, 4, timeout=240)
-    net = _net(torch.float64)
-    optimizer = optimizers.build(net, "muon", lr=0.02, weight_decay=0.1, head=("head.weight", "head.bias"))
-    for step in range(4):
-        for p, g in zip(net.parameters(), _grads(step, net)):
-            p.grad = g
-        optimizer.step()
+    net = _one_process_muon()
     for weights, _ in results:
         worst = max((a - b.detach()).abs().max().item() for a, b in zip(weights, net.parameters()))
         assert worst <= 1e-5, worst
