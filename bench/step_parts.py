@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+from e2e import bare_epoch
 from torch import nn
 
 from ddp_tricks import cli, plan
@@ -38,15 +39,6 @@ def one_layer():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-
-
-def bare_epoch(model, optimizer, batches) -> None:
-    criterion = nn.CrossEntropyLoss()
-    for inputs, targets in batches:
-        loss = criterion(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
 
 def without(part: str, t: Training):
@@ -79,7 +71,7 @@ def extra_per_step(t, model, optimizer, loader, the_plan, rounds: int) -> tuple[
     """The template's time per step beyond the bare loop's, in µs: median and quartiles over interleaved rounds."""
     steps = []
     template = lambda: loop.train_one_epoch(t, steps, loader)  # noqa: E731
-    bare = lambda: bare_epoch(model, optimizer, loader)  # noqa: E731
+    bare = lambda: bare_epoch(model, optimizer, loader, CPU, None, None)  # noqa: E731 (e2e.py's bare loop, fp32)
     extra = []
     for r in range(rounds + 1):  # the first warms up
         times = {}
