@@ -116,17 +116,25 @@ def paired(args) -> None:
 
     rounds = args.repeats + 1  # the first warms up
     t, plan, loader, template_epoch, dist = built_template(rounds, extra=args.flags.split())
-    model = toy_model()
-    if dist.world_size > 1:  # the template's settings: no per-forward broadcast (BatchNorm's buffers only), and the
-        # gradients as views of DDP's buckets (no copy in and out of them)
-        model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, **buffer_sync(False))
-    optimizer = sgd(model.parameters())
 
-    def bare(number: int) -> int:
-        steps = plan.epoch(number, dist.rank)
-        loader.batch_sampler.start(steps)
-        bare_epoch(model, optimizer, loader, torch.device("cpu"), None, None)
-        return len(steps)
+    def bare_loop():
+        model = toy_model()
+        if dist.world_size > 1:  # the template's settings: no per-forward broadcast (BatchNorm's buffers only), and
+            # the gradients as views of DDP's buckets (no copy in and out of them)
+            model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, **buffer_sync(False))
+        optimizer = sgd(model.parameters())
+
+        def bare(number: int) -> int:
+            steps = plan.epoch(number, dist.rank)
+            loader.batch_sampler.start(steps)
+            bare_epoch(model, optimizer, loader, torch.device("cpu"), None, None)
+            return len(steps)
+
+        return bare
+
+    bare = bare_loop()
+    if args.against_itself:  # the bare loop against a second one: how far apart two equal loops measure here
+        template_epoch = bare_loop()
 
     profiler = cProfile.Profile() if args.profile and dist.rank == 0 else None
     seconds, steps = {"template": [], "bare": []}, 0
@@ -187,6 +195,7 @@ def launch_paired(args) -> None:
                str(here), "--rank-worker", "--processes", str(args.processes),
                "--repeats", str(args.repeats), f"--flags={args.flags}"]  # fmt: skip
     command += ["--profile"] if args.profile else []
+    command += ["--against-itself"] if args.against_itself else []
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     paths = [str(here.parent.parent), str(here.parent), env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
@@ -221,6 +230,9 @@ def main() -> None:
                         "process, a Training built by hand)")  # fmt: skip
     parser.add_argument("--flags", default="", help="--processes: more run.py flags for the template, in one string "
                         "(e.g. '--log-interval 0', '--no-noise-scale'; default: none)")  # fmt: skip
+    parser.add_argument("--against-itself", action="store_true",
+                        help="--processes: a second bare loop in the template's place: the ratio two equal loops "
+                        "measure on this machine (default: off)")  # fmt: skip
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_worker:

@@ -25,11 +25,15 @@ class Packed:
         for name, value in parts.items():
             if isinstance(value, torch.Tensor):
                 pieces.append(value.to(torch.float64).reshape(-1))
+                size = pieces[-1].numel()
             else:
                 values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
-                pieces.append((len(numbers), len(values)))  # a slice of the numbers' one tensor, cut below
+                size = len(values)
+                if pieces and isinstance(pieces[-1], list):  # numbers in a row: one slice of the numbers' tensor
+                    pieces[-1][1] += size
+                else:
+                    pieces.append([len(numbers), size])  # a slice of the numbers' one tensor, cut below
                 numbers.extend(values)
-            size = pieces[-1].numel() if isinstance(pieces[-1], torch.Tensor) else pieces[-1][1]
             self.slices[name] = (at, size)
             at += size
         if numbers:

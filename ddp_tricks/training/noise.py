@@ -45,9 +45,11 @@ class NoiseScale:
         self.every = every  # measure on the optimizer steps whose global step (before it) is a multiple of this
         self.measuring = True  # whether the step under way is one of them (set by `at_step`)
         zeros = dict(dtype=torch.float64, device=device)
-        self.averages = torch.zeros(2, **zeros)  # the moving averages of [tr(Sigma), |G|^2], not yet corrected
-        self.weight = torch.zeros((), **zeros)  # what the averages' weights sum to: their bias correction
+        self._state = torch.zeros(3, **zeros)  # [averages, weight]: a step moves all three in one operation
+        self.averages = self._state[:2]  # the moving averages of [tr(Sigma), |G|^2], not yet corrected
+        self.weight = self._state[2]  # what the averages' weights sum to: their bias correction
         self._zero, self._one = torch.zeros((), **zeros), torch.ones((), **zeros)
+        self._rate = torch.full((), 1 - beta, **zeros)  # a step's weight in the averages
         self._small_sum = self._zero  # this step's small batches' squared norms, summed
         self._small_count = 0
         self._small_size: int | torch.Tensor = 0
@@ -62,7 +64,8 @@ class NoiseScale:
         """One small batch's squared gradient norm (the gradient of its mean loss), and its size; or `count` small
         batches' squared norms summed, and their sizes summed. A size is counted in the units the loss averages over:
         samples (a number the plan knows), or the task's units() (a device tensor: read by no one on the host)."""
-        self._small_sum = self._small_sum + sq_norm.to(torch.float64)
+        sq_norm = sq_norm.to(torch.float64)
+        self._small_sum = sq_norm if self._small_count == 0 else self._small_sum + sq_norm  # 0 + x is x: no add
         self._small_count += count
         self._small_size = self._small_size + size
 
@@ -74,34 +77,38 @@ class NoiseScale:
         self._small_sum, self._small_count, self._small_size = self._zero, 0, 0
         if count == 0:
             return
-        stacked = torch.stack([small_sum, sq_norm.to(torch.float64)])
+        stacked = torch.stack([small_sum, sq_norm.to(torch.float64), self._one])  # the 1: the weight's target
         if isinstance(small_size, torch.Tensor) or isinstance(size, torch.Tensor):  # units: on the device, no sync
             b_small, b_big = (torch.as_tensor(v).to(self.averages.device, torch.float64) for v in (small_size, size))
             b_small = b_small / count
             inverse = 1 / b_small - 1 / b_big
-            trace_of = torch.stack([1 / count / inverse, -1 / inverse])
-            grad_sq_of = torch.stack([-b_small / count / (b_big - b_small), b_big / (b_big - b_small)])
-            estimates = torch.stack([trace_of, grad_sq_of]) @ stacked
+            trace_of = torch.stack([1 / count / inverse, -1 / inverse, self._zero])
+            grad_sq_of = torch.stack([-b_small / count / (b_big - b_small), b_big / (b_big - b_small), self._zero])
+            targets = torch.stack([trace_of, grad_sq_of, torch.stack([self._zero, self._zero, self._one])]) @ stacked
             smaller = (b_small < b_big).to(torch.float64)
         else:
             if small_size >= count * size:
                 return
-            # both estimates are linear in (sum of the small batches' |G_small|^2, |G_big|^2): one 2x2 product, its
-            # coefficients made once per (small batches, samples) on the device (no copy from the host per step)
+            # both estimates are linear in (sum of the small batches' |G_small|^2, |G_big|^2): one product gives them
+            # and the weight's target 1, its coefficients made once per (small batches, samples) on the device (no
+            # copy from the host per step)
             key = (count, small_size, size)
             coefficients = self._coefficients.get(key)
             if coefficients is None:
                 b_small, b_big = small_size / count, float(size)
-                trace_of = [1 / count / (1 / b_small - 1 / b_big), -1 / (1 / b_small - 1 / b_big)]
-                grad_sq_of = [-b_small / count / (b_big - b_small), b_big / (b_big - b_small)]
-                coefficients = torch.tensor([trace_of, grad_sq_of], dtype=torch.float64, device=self.averages.device)
+                trace_of = [1 / count / (1 / b_small - 1 / b_big), -1 / (1 / b_small - 1 / b_big), 0.0]
+                grad_sq_of = [-b_small / count / (b_big - b_small), b_big / (b_big - b_small), 0.0]
+                coefficients = torch.tensor([trace_of, grad_sq_of, [0.0, 0.0, 1.0]], dtype=torch.float64,
+                                            device=self.averages.device)  # fmt: skip
                 self._coefficients[key] = coefficients
-            estimates = coefficients @ stacked
+            targets = coefficients @ stacked
             smaller = self._one
-        # 0 for a step left out (fp16 overflow, or units that leave no small batch smaller): no sync
-        keep = torch.isfinite(estimates).all().to(torch.float64) * smaller * (1 - self.beta)
-        self.averages.lerp_(torch.nan_to_num(estimates, nan=0.0, posinf=0.0, neginf=0.0), keep)
-        self.weight.lerp_(self._one, keep)
+        # [estimates, 1] enter [averages, weight] with weight 1 - beta; 0 for a step left out (fp16 overflow, or units
+        # that leave no small batch smaller): no sync
+        keep = torch.where(torch.isfinite(targets).all(), self._rate, self._zero)
+        if smaller is not self._one:
+            keep = keep * smaller
+        self._state.lerp_(torch.nan_to_num(targets, nan=0.0, posinf=0.0, neginf=0.0), keep)
 
     def corrected(self) -> torch.Tensor:
         """[tr(Sigma), |G|^2] on the device, bias-corrected (zeros before the first step)."""
@@ -191,7 +198,7 @@ class RankGradient:
                 norms = torch.stack([seen[i] for i in places]).to(parts.device, torch.float64)
                 parts = parts.index_copy(0, torch.tensor(places, device=parts.device), norms.square_())
             total = parts.sum()
-        self.noise.small(total / (self._weight * scale) ** 2, self._size)
+        self.noise.small(_divided(total, (self._weight * scale) ** 2), self._size)
         self._earlier, self._seen, self._weight, self._size = None, {}, 0.0, 0
 
     def finish(self) -> None:
@@ -217,7 +224,7 @@ class MicroBatches:
         grads = [p.grad for p in self.params]
         present = [g for g in grads if g is not None]
         if present:
-            self.noise.small(squared_norm(present) / (weight * scale) ** 2, size)
+            self.noise.small(_divided(squared_norm(present), (weight * scale) ** 2), size)
         if self._sums is None:
             self._sums = grads
         else:
@@ -241,4 +248,9 @@ def measure(noise: NoiseScale, params, batch, loss_scale) -> None:
     in) and its gradient over `batch` samples (or units: a device tensor), into the averages."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        noise.big(squared_norm(grads) / loss_scale**2, batch)
+        noise.big(_divided(squared_norm(grads), loss_scale**2), batch)
+
+
+def _divided(value: torch.Tensor, by) -> torch.Tensor:
+    """`value / by`, with no operation where `by` is the number 1 (an unscaled loss's whole step: x / 1 is x)."""
+    return value if type(by) in (int, float) and by == 1 else value / by

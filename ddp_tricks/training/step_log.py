@@ -149,7 +149,7 @@ class StepLog:
             yield batch
 
     def _start_window(self, t) -> None:
-        self._sums, self._units = t.meter.sums.clone(), _units(t).clone()
+        self._sums, self._units = t.meter.sums.clone(), _units(t)
         self._samples, self._step, self._wait = t.meter.samples, t.progress.global_step, 0.0
         self._skipped = t.progress.skipped_steps
         self._time = time.perf_counter()
@@ -167,9 +167,14 @@ class StepLog:
         grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        norm = torch.nn.utils.get_total_norm(grads)
+        if all(type(g) is torch.Tensor and g.dtype == grads[0].dtype and g.device == grads[0].device for g in grads):
+            # get_total_norm's own operations, without its grouping by device and dtype (one group: the same bits)
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: every rank's part
-        self._grad_norm = norm.double() / t.precision.loss_scale()
+        scale = t.precision.loss_scale()
+        self._grad_norm = norm.double() if type(scale) is float and scale == 1.0 else norm.double() / scale
 
     def write(self, t) -> None:
         """The row of the window ending now, started: its values packed on the device (with the checks of the loss and
@@ -296,6 +301,8 @@ def peak_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def _units(t) -> torch.Tensor:
-    """The epoch's units so far on this rank, as a one-element float64 tensor on the device."""
-    return torch.as_tensor(t.meter.units, dtype=torch.float64, device=t.device).reshape(1)
+def _units(t) -> torch.Tensor | float:
+    """The epoch's units so far on this rank: a host number where units are samples, else a copy of the device
+    tensor (the meter adds into its own in place)."""
+    units = t.meter.units
+    return units.to(torch.float64).reshape(1).clone() if isinstance(units, torch.Tensor) else float(units)
