@@ -38,6 +38,7 @@ class Dist:
     device: torch.device
     backend: str | None  # None: a single process without a process group
     control_group: object | None = None  # a gloo group for CPU-side agreement (preemption)
+    store: object | None = None  # the job's store, under this launch attempt's prefix (preemption's step)
 
     @property
     def is_main(self) -> bool:
@@ -132,7 +133,7 @@ def setup(
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     # a failing rank ends the job in seconds; after SIGTERM, a rank stuck in one call ends after `sigterm_grace`
     watchdog.start(dist.PrefixStore("watchdog/", store), dist.get_rank(), sigterm_grace, dist.get_world_size())
-    return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group)
+    return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, device, backend, control_group, store)
 
 
 def refuse_shared_gpu(store, gpu_id, rank: int) -> None:
