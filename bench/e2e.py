@@ -161,7 +161,12 @@ def report_paired(args, seconds: dict, steps_per_epoch: int, world: int, profile
     print(f"torch {torch.__version__}, {world} process(es), {torch.get_num_threads()} thread(s) each, toy CNN, batch "
           f"{BATCH_OF_RUN} per process, {steps_per_epoch} steps per epoch, {args.repeats} epochs of each")  # fmt: skip
     print(f"  bare DDP loop  {bare_ms:.3f} ms/step")
-    print(f"  template       {template_ms:.3f} ms/step (as run.py builds it, its default rows and agreement)")
+    shown = (
+        "a second bare DDP loop (--against-itself)"
+        if args.against_itself
+        else ("as run.py builds it, its default rows and agreement")
+    )
+    print(f"  template       {template_ms:.3f} ms/step ({shown})")
     print(f"  template / bare time per step: {ratio:.3f} (median of the rounds' ratios; quartiles {low:.3f}-"
           f"{high:.3f})")  # fmt: skip
     if profiler is not None:
@@ -176,7 +181,7 @@ def report_paired(args, seconds: dict, steps_per_epoch: int, world: int, profile
                 if "ddp_tricks" in func[0] or func[0].endswith(("task.py", "lars.py"))]  # fmt: skip
         for cum, calls, name in sorted(rows, reverse=True)[:25]:
             print(f"    {1e6 * cum / profiled_steps:8.1f} us  {calls / profiled_steps:5.2f} calls  {name}")
-    result = {"processes": world, "template_vs_bare": round(ratio, 3)}
+    result = {"processes": world, "against_itself": args.against_itself, "template_vs_bare": round(ratio, 3)}
     result["template_vs_bare_quartiles"] = [round(low, 3), round(high, 3)]
     result |= {"template_ms_per_step": round(template_ms, 4), "bare_ms_per_step": round(bare_ms, 4)}
     print(json.dumps(result))

@@ -28,7 +28,9 @@ class CsvRows:
             writer = csv.DictWriter(f, fieldnames=columns, restval="nan", extrasaction="ignore")
             writer.writeheader()
             writer.writerows(kept)
-        self._file = self._writer = None  # opened at the first row, held (opening the file per row cost 50 us)
+        # opened at the first row and held (opening it per row cost 50 us); every row flushed, the file closed by
+        # close() or when the sink goes
+        self._file = self._writer = None
 
     def write(self, row: dict) -> None:
         """One row, flushed: the file holds it at once (a crash after it keeps it)."""

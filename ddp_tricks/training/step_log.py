@@ -168,8 +168,8 @@ class StepLog:
         if not grads:
             return
         if all(type(g) is torch.Tensor and g.dtype == grads[0].dtype and g.device == grads[0].device for g in grads):
-            # get_total_norm's own operations, without its grouping by device and dtype (one group: the same bits)
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            with torch.no_grad():  # get_total_norm's own operations, without its grouping by device and dtype
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # one group: the same bits
         else:
             norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: every rank's part
@@ -302,7 +302,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def _units(t) -> torch.Tensor | float:
-    """The epoch's units so far on this rank: a host number where units are samples, else a copy of the device
-    tensor (the meter adds into its own in place)."""
+    """The epoch's units so far on this rank: a host number while the meter counts them as one (samples, or before
+    an epoch's first micro-batch of a task with units()), else a copy of its device tensor (added into in place)."""
     units = t.meter.units
     return units.to(torch.float64).reshape(1).clone() if isinstance(units, torch.Tensor) else float(units)
