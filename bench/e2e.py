@@ -54,16 +54,23 @@ def build(args, device, channels: int, classes: int):
     return model, optimizer
 
 
-def bare_epoch(model, optimizer, batches, device, amp_dtype, scaler, channels_last=False) -> None:
-    """The loop a user would write by hand: forward, backward, step; nothing else."""
+def bare_epoch(model, optimizer, batches, device, amp_dtype, scaler, channels_last=False, sums=False) -> None:
+    """The loop a user would write by hand: forward, backward, step; nothing else. With `sums`, also the epoch's
+    exact loss and accuracy as such a user keeps them: float64 sums on the device, read once at the epoch's end."""
     model.train()
     criterion = nn.CrossEntropyLoss()
+    loss_sum, correct = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     for inputs, targets in batches:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         if channels_last:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = criterion(model(inputs).float(), targets)
+            logits = model(inputs).float()
+            loss = criterion(logits, targets)
+        if sums:
+            with torch.no_grad():
+                loss_sum.add_(loss, alpha=len(targets))
+                correct.add_((logits.argmax(1) == targets).sum())
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -72,6 +79,8 @@ def bare_epoch(model, optimizer, batches, device, amp_dtype, scaler, channels_la
             loss.backward()
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if sums:
+        loss_sum.item(), correct.item()
 
 
 def profile_ops(loops: dict, the_plan, loader, steps: list) -> None:
@@ -127,7 +136,7 @@ def paired(args) -> None:
         def bare(number: int) -> int:
             steps = plan.epoch(number, dist.rank)
             loader.batch_sampler.start(steps)
-            bare_epoch(model, optimizer, loader, torch.device("cpu"), None, None)
+            bare_epoch(model, optimizer, loader, torch.device("cpu"), None, None, sums=args.bare_sums)
             return len(steps)
 
         return bare
@@ -181,7 +190,8 @@ def report_paired(args, seconds: dict, steps_per_epoch: int, world: int, profile
                 if "ddp_tricks" in func[0] or func[0].endswith(("task.py", "lars.py"))]  # fmt: skip
         for cum, calls, name in sorted(rows, reverse=True)[:25]:
             print(f"    {1e6 * cum / profiled_steps:8.1f} us  {calls / profiled_steps:5.2f} calls  {name}")
-    result = {"processes": world, "against_itself": args.against_itself, "template_vs_bare": round(ratio, 3)}
+    result = {"processes": world, "against_itself": args.against_itself, "bare_sums": args.bare_sums}
+    result["template_vs_bare"] = round(ratio, 3)
     result["template_vs_bare_quartiles"] = [round(low, 3), round(high, 3)]
     result |= {"template_ms_per_step": round(template_ms, 4), "bare_ms_per_step": round(bare_ms, 4)}
     print(json.dumps(result))
@@ -201,6 +211,7 @@ def launch_paired(args) -> None:
                "--repeats", str(args.repeats), f"--flags={args.flags}"]  # fmt: skip
     command += ["--profile"] if args.profile else []
     command += ["--against-itself"] if args.against_itself else []
+    command += ["--bare-sums"] if args.bare_sums else []
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     paths = [str(here.parent.parent), str(here.parent), env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
@@ -238,6 +249,10 @@ def main() -> None:
     parser.add_argument("--against-itself", action="store_true",
                         help="--processes: a second bare loop in the template's place: the ratio two equal loops "
                         "measure on this machine (default: off)")  # fmt: skip
+    parser.add_argument("--bare-sums", action="store_true",
+                        help="--processes: the bare loop keeps the epoch's exact loss and accuracy too, as float64 "
+                        "sums on the device (the work of the template's default train_loss and train_acc; default: "
+                        "off)")  # fmt: skip
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_worker:
