@@ -4,6 +4,11 @@ with one part of the template's step replaced by nothing at a time. The median m
 loop, each with its quartiles, then the JSON of them on the last line.
 
     python bench/step_parts.py [--rounds 30] [--threads 1]
+    python bench/step_parts.py --built [--rounds 20]   # the template as run.py builds it, the toy CNN, 2 threads
+
+With --built: the template as run.py builds it (bench/peer_loops.built_template: its rows, heartbeats and SIGTERM
+agreement) and the bare loop, each variant of the template with one part left out, all interleaved in every round;
+each one's time over the bare loop's (median, quartiles), then the JSON of them on the last line.
 """
 
 from __future__ import annotations
@@ -87,11 +92,80 @@ def extra_per_step(t, model, optimizer, loader, the_plan, rounds: int) -> tuple[
     return median, low, high
 
 
+def built_parts(rounds: int) -> dict:
+    """--built: {variant: (median, low, high) of its time over the bare loop's}, every variant in every round."""
+    import tempfile
+    from pathlib import Path
+
+    from peer_loops import built_template, sgd, toy_model
+
+    from ddp_tricks.distributed import heartbeat
+    from ddp_tricks.distributed.preemption import Preemption
+
+    t, the_plan, loader, _, dist = built_template(rounds + 1)
+    rows = step_log.StepLog.of(t, None)  # every 20 steps, as run.py's default
+    rows.open(Path(tempfile.mkdtemp(prefix="step-parts-")), 0, bar=False)
+    preemption = Preemption(dist)
+    zero = {"acc": torch.zeros((), dtype=torch.int64)}
+    model = toy_model()
+    optimizer = sgd(model.parameters())
+
+    def bare(number: int) -> None:
+        loader.batch_sampler.start(the_plan.epoch(number, 0))
+        bare_epoch(model, optimizer, loader, CPU, None, None)
+
+    def template(*left_out: str):
+        def epoch(number: int) -> None:
+            kept = loop.metric_sums, heartbeat.step
+            if "metric sums" in left_out:
+                loop.metric_sums = lambda t, outputs, targets: zero
+            if "meter" in left_out:
+                t.meter.add = lambda *args: None
+            if "heartbeat" in left_out:
+                heartbeat.step = lambda *args, **kwargs: None
+            log = step_log.StepLog(0, CPU) if "rows" in left_out else rows
+            steps = the_plan.epoch(number, 0)
+            first = loop.start_epoch(t, number, loader, steps, 0)
+            with log.epoch(number, len(steps), first, t.progress.global_step):
+                loop.train_one_epoch(t, steps, loader, first, log, lambda t: preemption.agreed())
+            loop.metric_sums, heartbeat.step = kept
+            t.meter.__dict__.pop("add", None)
+
+        return epoch
+
+    variants = {"the template": template(), "without its rows": template("rows"),
+                "without the task's metric sums": template("metric sums"),
+                "without the meter's adds": template("meter"), "without the heartbeat": template("heartbeat"),
+                "without all four": template("rows", "metric sums", "meter", "heartbeat"), "bare": bare}  # fmt: skip
+    ratios = {name: [] for name in variants if name != "bare"}
+    for number in range(rounds + 1):  # the first warms up
+        times = {}
+        for name, fn in list(variants.items())[:: 1 if number % 2 else -1]:
+            start = time.perf_counter()
+            fn(number)
+            times[name] = time.perf_counter() - start
+        for name in ratios if number else ():
+            ratios[name].append(times[name] / times["bare"])
+    preemption.close()
+    return {name: statistics.quantiles(values, n=4, method="inclusive") for name, values in ratios.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per measurement (default 30)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: the steadiest)")
+    parser.add_argument("--built", action="store_true", help="the template as run.py builds it, each part left out "
+                        "in turn, against the bare loop (the toy CNN; default: off)")  # fmt: skip
     args = parser.parse_args()
+    if args.built:
+        torch.set_num_threads(2)
+        result = built_parts(args.rounds)
+        print(f"torch {torch.__version__}, 2 threads, the toy CNN as run.py builds it, batch 32, {args.rounds} rounds: "
+              "time per step over the bare loop's (median, quartiles)")  # fmt: skip
+        for name, (low, median, high) in result.items():
+            print(f"  {name:32s} {median:.3f}  ({low:.3f}-{high:.3f})")
+        print(json.dumps({name: [round(v, 3) for v in values] for name, values in result.items()}))
+        return
     torch.set_num_threads(args.threads)
     digits, _ = images.digits()
     train_set = loaders.InMemoryDataset(digits.inputs.repeat(4, 1, 1, 1), digits.targets.repeat(4))
