@@ -137,7 +137,7 @@ class Preempting:
     warm ranks (multiproc.Job), whose parent is no launcher, rank 0 sends it to every rank of the job itself, as a
     launcher would ($TEST_JOB_PIDS names the file of their process ids). With $PREEMPT_AFTER the ranks agree after
     every step (preemption.MOST_STEPS = 1), so the stop comes on the step after the signal whatever the machine's
-    speed; the default (every few steps, by time) is tested by test_resume's SIGTERM to one worker. Without
+    speed; the default (every 8 steps) is tested by test_resume's SIGTERM to one worker. Without
     $PREEMPT_AFTER, the task as it is."""
 
     micro_batches = 0

@@ -84,8 +84,8 @@ def _pids(run_dir):
 def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_path):
     """SIGTERM to rank 1 alone, early in the run: every rank stops at the same step and ends with 143, the
     checkpoint of that step written, and a resume finishes the run bit-identical to the uninterrupted one. Broken on
-    purpose: a SIGTERM handler that does nothing, or a rank that got the signal not writing its stop step to the
-    store (preemption.py's `_look` reading only): the run then finishes its epoch (the message says "after epoch")."""
+    purpose: a SIGTERM handler that does nothing, or a rank that got the signal not adding its flag to the store
+    (preemption.py's `_look` adding 1 alone): the run then finishes its epoch (the message says "after epoch")."""
     run_dir = tmp_path / "pre"
     with Job([*FLAGS, "--epochs", "2", "-n", "pre", "--runs-dir", str(tmp_path)]) as job:
         _wait_for(lambda: (run_dir / "workers.json").exists())
@@ -106,12 +106,12 @@ def test_sigterm_to_one_worker_stops_all_and_resume_is_exact(uninterrupted, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_rank_stops_at_the_same_step_with_the_default_agreement(tmp_path):
-    """SIGTERM to rank 1 alone, the ranks looking at the store every K steps (the default K = 8; not the K = 1 of the
-    tests' preempting tasks): both end with 143, each having trained the same number of steps (counted by each
-    rank's task), the step rank 0 saved. Small watchdog thresholds, so a disagreement that deadlocks ends in seconds.
-    Broken on purpose: the stop written as the writer's own step instead of K steps on (preemption.py's `_look`:
-    `self._steps` for `self._steps + MOST_STEPS`) fails it: the other rank has already looked at that step, trains
-    on alone, and the job ends as hung (exit 4), not preempted."""
+    """SIGTERM to rank 1 alone, the ranks adding to and reading the store every K steps (the default K = 8; not the
+    K = 1 of the tests' preempting tasks): both end with 143, each having trained the same number of steps (counted
+    by each rank's task), the step rank 0 saved. Small watchdog thresholds, so a disagreement that deadlocks ends in
+    seconds. Broken on purpose: the signalled rank stopping on its own flag (preemption.py's `_look` returning
+    `self.requested or ...`) fails it: the other rank trains on alone, and the job ends as hung (exit 4), not
+    preempted. Ranks whose hosts run apart (nccl's): test_sigterm_agreement.py."""
     run_dir = tmp_path / "k"
     task = ["--task", "tests/rank_tasks.py:StepsPerRank", "--checkpoint-every-steps", "20"]
     flags = [*FLAGS, "--epochs", "3", "-n", "k", "--runs-dir", str(tmp_path), *task]

@@ -154,10 +154,10 @@ def cleanup(ending: bool = False) -> None:
     """Leave the process group at a normal end; safe to call twice, or with no group at all. (A failure with a
     group leaves by watchdog.leave() instead: peers may be stuck, and a teardown would wait for them.)
 
-    An agreement still in flight is settled first: tearing a group down under pending work aborts the process.
-    `ending`: the process ends right after (run.py as a script): SIGTERM stays held through the teardown and the
-    interpreter's end, so the SIGTERM a launcher sends every worker once one has ended (a preempted peer, one that
-    finished first) does not replace the exit code this process ends with; else SIGTERM's handler is as before.
+    Every SIGTERM agreement gives SIGTERM its handler back first (preemption.close_all). `ending`: the process ends
+    right after (run.py as a script): SIGTERM stays held through the teardown and the interpreter's end, so the
+    SIGTERM a launcher sends every worker once one has ended (a preempted peer, one that finished first) does not
+    replace the exit code this process ends with; else SIGTERM's handler is as before.
     """
     watchdog.restore_signals()  # first: a failure's hold was set over preemption's handler, which then restores its own
     if ending:
