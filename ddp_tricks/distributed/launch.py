@@ -166,3 +166,6 @@ def cleanup(ending: bool = False) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     watchdog.stop()
+    if ending:  # the interpreter's end gives SIGTERM back to the default action, where a launcher's SIGTERM (another
+        # worker ended first) would end this process as -15 instead of its own exit code: ignored from here
+        watchdog.ignore_sigterm()

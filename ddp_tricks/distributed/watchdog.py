@@ -167,6 +167,15 @@ def hold_sigterm() -> None:
         _saved_sigterm = previous
 
 
+def ignore_sigterm() -> None:
+    """SIGTERM ignored: for a process whose teardown is done and whose interpreter ends next (Python's end sets the
+    handlers it installed back to the default action; an ignored signal stays ignored)."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
+
+
 def _hold(signum, frame) -> None:
     global _held
     if not _held:
