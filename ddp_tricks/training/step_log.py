@@ -167,14 +167,9 @@ class StepLog:
         grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        if all(type(g) is torch.Tensor and g.dtype == grads[0].dtype and g.device == grads[0].device for g in grads):
-            with torch.no_grad():  # get_total_norm's own operations, without its grouping by device and dtype
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # one group: the same bits
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
+        norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: every rank's part
-        scale = t.precision.loss_scale()
-        self._grad_norm = norm.double() if type(scale) is float and scale == 1.0 else norm.double() / scale
+        self._grad_norm = norm.double() / t.precision.loss_scale()
 
     def write(self, t) -> None:
         """The row of the window ending now, started: its values packed on the device (with the checks of the loss and
