@@ -191,11 +191,13 @@ def built_template(epochs: int, noise_scale: bool = True, every: int | None = No
     rows = step_log.StepLog.of(t, found.flops, **cli.step_log_options(flags))  # the default rows, as run.py's
     rows.open(Path(folder), 0, **cli.step_sink_options(flags))  # steps.csv (rank 0), every --log-interval steps
 
-    def epoch(number: int) -> int:
+    def epoch(number: int, log: step_log.StepLog | None = None) -> int:
+        """One epoch as run.py trains it; `log` in place of the default rows (a StepLog(0): none)."""
+        log = log or rows
         steps = plan.epoch(number, t.rank)
         first_step = loop.start_epoch(t, number, train_loader, steps, flags.seed)
-        with rows.epoch(number, len(steps), first_step, t.progress.global_step):
-            loop.train_one_epoch(t, steps, train_loader, first_step, rows, lambda t: preemption.agreed())
+        with log.epoch(number, len(steps), first_step, t.progress.global_step):
+            loop.train_one_epoch(t, steps, train_loader, first_step, log, lambda t: preemption.agreed())
         return len(steps)
 
     return t, plan, train_loader, epoch, dist

@@ -94,18 +94,11 @@ def extra_per_step(t, model, optimizer, loader, the_plan, rounds: int) -> tuple[
 
 def built_parts(rounds: int) -> dict:
     """--built: {variant: (median, low, high) of its time over the bare loop's}, every variant in every round."""
-    import tempfile
-    from pathlib import Path
-
     from peer_loops import built_template, sgd, toy_model
 
     from ddp_tricks.distributed import heartbeat
-    from ddp_tricks.distributed.preemption import Preemption
 
-    t, the_plan, loader, _, dist = built_template(rounds + 1)
-    rows = step_log.StepLog.of(t, None)  # every 20 steps, as run.py's default
-    rows.open(Path(tempfile.mkdtemp(prefix="step-parts-")), 0, bar=False)
-    preemption = Preemption(dist)
+    t, the_plan, loader, trained, _ = built_template(rounds + 1)
     zero = {"acc": torch.zeros((), dtype=torch.int64)}
     model = toy_model()
     optimizer = sgd(model.parameters())
@@ -123,11 +116,7 @@ def built_parts(rounds: int) -> dict:
                 t.meter.add = lambda *args: None
             if "heartbeat" in left_out:
                 heartbeat.step = lambda *args, **kwargs: None
-            log = step_log.StepLog(0, CPU) if "rows" in left_out else rows
-            steps = the_plan.epoch(number, 0)
-            first = loop.start_epoch(t, number, loader, steps, 0)
-            with log.epoch(number, len(steps), first, t.progress.global_step):
-                loop.train_one_epoch(t, steps, loader, first, log, lambda t: preemption.agreed())
+            trained(number, step_log.StepLog(0, CPU) if "rows" in left_out else None)
             loop.metric_sums, heartbeat.step = kept
             t.meter.__dict__.pop("add", None)
 
@@ -146,7 +135,6 @@ def built_parts(rounds: int) -> dict:
             times[name] = time.perf_counter() - start
         for name in ratios if number else ():
             ratios[name].append(times[name] / times["bare"])
-    preemption.close()
     return {name: statistics.quantiles(values, n=4, method="inclusive") for name, values in ratios.items()}
 
 
