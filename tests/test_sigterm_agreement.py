@@ -38,7 +38,7 @@ def _agreements(store) -> list[preemption.Preemption]:
 def test_ranks_stop_after_the_same_step_with_one_host_far_ahead(signalled):
     """Rank 0 steps with no pause, rank 1 with 2 ms per step: without the wait for every rank's arrival at the key it
     reads, rank 0 reads the keys before rank 1 has added to them and trains on (broken on purpose: the `while` in
-    `_look` removed: rank 0 runs to the end, 400 steps)."""
+    `_arrived` removed: rank 0 runs to the end, 400 steps)."""
     agreements, signal_at = _agreements(dist.HashStore()), 13
     stopped: dict[int, int] = {}
 
